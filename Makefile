@@ -1,0 +1,46 @@
+# The two commands of the README. Both create .venv and install what they need on a fresh clone.
+#   make run    train the default config with two elastic torchrun agents on this host, print EM/F1
+#   make test   ruff + the test suite (unit and real-torchrun integration tests)
+# Bring your own torch (e.g. a CUDA build): install it into .venv first, or set TORCH_SPEC.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
+ARGS ?=
+BIN := $(VENV)/bin
+
+.PHONY: run test lint install dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch is a range in pyproject.toml; installing it first keeps pip from resolving that range to a
+# multi-GB CUDA download when no torch is present.
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev
+
+run: $(VENV)/.installed
+	PYTHON=$(BIN)/python launch/local.sh start --agents 2 run.dir=$(RUN_DIR) $(ARGS)
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,196 @@
+"""The checkpointer the trainer talks to: save (async or not), rotate, and load the newest valid state.
+
+Saving: the live state is copied to CPU memory at a step boundary (the only time training waits), then a
+background thread serialises, writes, commits and prunes. At most one save is in flight; when the next one
+falls due first, the caller waits and the wait is logged. Storage errors are logged and counted, training
+goes on; only `max_consecutive_failures` failures in a row are fatal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_qa.checkpoint.policy import retained_steps
+from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
+from elastic_qa.config import CheckpointConfig
+from elastic_qa.observe.log import get_logger
+
+STATE_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    path: str
+    manifest: dict[str, Any]
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    trainer: dict[str, Any]
+
+
+@dataclass
+class SaveResult:
+    step: int
+    blocking_seconds: float
+    waited_seconds: float
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        store: CheckpointStore,
+        may_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.may_commit = may_commit
+        self.log = get_logger()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+        self._fatal: BaseException | None = None
+        self.last_committed_step: int | None = None
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        manifest_fields: dict[str, Any],
+        blocking: bool = False,
+        reason: str = "periodic",
+    ) -> SaveResult:
+        """Snapshot `state` ({file: state dict}) now and commit it as checkpoint `step`."""
+        self.raise_if_failed()
+        started = time.perf_counter()
+        waited = self.wait()
+        if waited > 0.001:
+            self.log.warning("checkpoint_wait", step=step, seconds=round(waited, 4))
+        snapshot = cpu_copy(state)
+        blocking_seconds = time.perf_counter() - started
+        job = threading.Thread(
+            target=self._write,
+            args=(step, snapshot, manifest_fields, started, blocking_seconds, reason),
+            name=f"checkpoint-{step}",
+            daemon=False,
+        )
+        if self.cfg.async_ and not blocking:
+            self._thread = job
+            job.start()
+        else:
+            self._write(step, snapshot, manifest_fields, started, None, reason)
+            blocking_seconds = time.perf_counter() - started
+        return SaveResult(step, blocking_seconds, waited)
+
+    def wait(self) -> float:
+        """Block until the in-flight save (if any) has finished; return how long that took."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return 0.0
+        started = time.perf_counter()
+        thread.join()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.wait()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _write(
+        self,
+        step: int,
+        snapshot: dict[str, Any],
+        manifest_fields: dict[str, Any],
+        started: float,
+        blocking_seconds: float | None,
+        reason: str,
+    ) -> None:
+        """Serialise, commit, verify, prune; `blocking_seconds` None means a synchronous save."""
+        try:
+            check_safe(snapshot, "checkpoint")
+            files = {name: serialize(snapshot[name]) for name in STATE_FILES}
+            path = self.store.commit(step, files, manifest_fields, self.may_commit)
+            if path is None:
+                self.log.info("checkpoint_exists", step=step, reason=reason)
+                return
+            verdict = self.store.verify(path)
+            if not verdict.ok:
+                raise CheckpointError(f"{path} failed verification right after writing: {verdict.reason}")
+            self.last_committed_step = step
+            self._failures = 0
+            self.log.info(
+                "checkpoint_committed",
+                step=step,
+                path=self.store.display(path),
+                reason=reason,
+                bytes=sum(len(b) for b in files.values()),
+                seconds=round(time.perf_counter() - started, 4),
+                blocking_seconds=round(
+                    time.perf_counter() - started if blocking_seconds is None else blocking_seconds, 4
+                ),
+            )
+            self.prune(keep=step)
+        except StaleWriterError as err:
+            self.log.error("checkpoint_fenced", step=step, reason=str(err))
+            self._fatal = err
+        except Exception as err:
+            self._failures += 1
+            self.log.error(
+                "checkpoint_failed",
+                step=step,
+                error=f"{type(err).__name__}: {err}",
+                consecutive_failures=self._failures,
+            )
+            if self._failures > self.cfg.max_consecutive_failures:
+                self._fatal = CheckpointError(
+                    f"{self._failures} checkpoint saves failed in a row (last: {err}); "
+                    f"checkpoint.max_consecutive_failures={self.cfg.max_consecutive_failures}"
+                )
+
+    def prune(self, keep: int) -> None:
+        """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays."""
+        committed = self.store.list_steps()
+        retained = retained_steps([c.step for c in committed], self.cfg.keep_last, self.cfg.keep_every_steps)
+        retained.add(keep)
+        for info in committed:
+            if info.step in retained or info.step > keep:
+                continue
+            try:
+                self.store.remove(info.path)
+                self.log.info("checkpoint_pruned", step=info.step, path=self.store.display(info.path))
+            except Exception as err:
+                self.log.warning("checkpoint_prune_failed", step=info.step, path=info.path, error=str(err))
+
+    # ---- loading ------------------------------------------------------------------------------------
+    def load_step(self, info_path: str, step: int) -> LoadedCheckpoint:
+        """Verify and load one checkpoint; raises CheckpointError with the reason when it is not valid."""
+        verdict = self.store.verify(info_path)
+        if not verdict.ok:
+            raise CheckpointError(verdict.reason)
+        manifest = verdict.manifest
+        loaded = {name: self.store.load_file(info_path, manifest, name) for name in STATE_FILES}
+        for name, value in loaded.items():
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{name} does not hold a state dict")
+        return LoadedCheckpoint(
+            step, info_path, manifest, loaded[MODEL_FILE], loaded[OPTIMIZER_FILE], loaded[TRAINER_FILE]
+        )
+
+    def load_newest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies and loads; rejected ones are logged with the reason."""
+        for info in reversed(self.store.list_steps(committed_only=False)):
+            try:
+                return self.load_step(info.path, info.step)
+            except (CheckpointError, OSError, ValueError, KeyError) as err:
+                self.log.warning(
+                    "checkpoint_rejected", step=info.step, path=self.store.display(info.path), reason=str(err)
+                )
+        return None

@@ -1,0 +1,31 @@
+"""When to save (timer, step count) and what to keep (the last N, plus milestones)."""
+
+from __future__ import annotations
+
+import time
+
+from elastic_qa.config import CheckpointConfig
+
+
+class SaveSchedule:
+    """Rank 0's view of whether a periodic save is due; the trainer broadcasts its answer to all ranks."""
+
+    def __init__(self, cfg: CheckpointConfig, clock=time.monotonic) -> None:
+        self.interval_s = cfg.interval.total_seconds()
+        self.every_steps = cfg.every_steps
+        self.clock = clock
+        self.last_save = clock()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        return by_steps or self.clock() - self.last_save >= self.interval_s
+
+    def saved(self) -> None:
+        self.last_save = self.clock()
+
+
+def retained_steps(steps: list[int], keep_last: int, keep_every_steps: int) -> set[int]:
+    """Steps to keep: the newest `keep_last`, and every multiple of `keep_every_steps` (milestones)."""
+    newest = sorted(steps)[-keep_last:]
+    milestones = {s for s in steps if keep_every_steps and s % keep_every_steps == 0}
+    return set(newest) | milestones

@@ -1,0 +1,90 @@
+"""Gather and apply the full training state in a form `torch.load(weights_only=True)` accepts.
+
+Only tensors, numbers, strings, bools, None, lists, tuples and dicts go in: no pickled classes, so loading a
+checkpoint can never run code from it. numpy's RNG state (which holds an ndarray) is stored as a tensor.
+Snapshots are deep copies on the CPU: training goes on mutating its own tensors while a background writer
+serialises the copy.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+import elastic_qa
+
+# Keys of the files in a checkpoint directory. Changing them breaks resuming older checkpoints.
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer.pt"
+
+
+def versions() -> dict[str, str]:
+    return {
+        "elastic_qa": elastic_qa.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion object would not load with weights_only
+        "python": sys.version.split()[0],
+    }
+
+
+def cpu_copy(obj: Any) -> Any:
+    """Deep copy with every tensor cloned to (pinned when on GPU) CPU memory: the only training stall."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj.detach().clone()
+        return obj.detach().to("cpu", non_blocking=False)
+    if isinstance(obj, dict):
+        return {key: cpu_copy(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_copy(value) for value in obj)
+    return obj
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generators: python, numpy, torch CPU and CUDA (when present)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_safe(obj: Any, where: str = "state") -> None:
+    """Refuse anything weights_only loading would reject, at save time rather than at resume time."""
+    # Exact types: a str or int subclass (torch.__version__ is one) is pickled as its class.
+    if obj is None or type(obj) in (bool, int, float, str, torch.dtype) or type(obj) is torch.Tensor:
+        return
+    if isinstance(obj, torch.nn.Parameter):
+        raise TypeError(f"{where}: a Parameter, not a plain tensor")
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str | int):
+                raise TypeError(f"{where}: key {key!r} is not a string or int")
+            check_safe(value, f"{where}.{key}")
+        return
+    if isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            check_safe(value, f"{where}[{i}]")
+        return
+    raise TypeError(f"{where}: {type(obj).__name__} cannot be loaded with weights_only=True")

@@ -1,0 +1,183 @@
+"""`elastic-qa`: the commands around training.
+
+    elastic-qa prepare [--config CFG] [overrides]       tokenise once into the memory-mapped cache
+    elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint (newest valid in a dir)
+    elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
+    elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
+    elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
+    elastic-qa report RUN_DIR
+
+Training itself is `python -m elastic_qa.train` under torchrun (see launch/local.sh).
+Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
+from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict
+from elastic_qa.data.cache import prepare
+from elastic_qa.data.features import build_features
+from elastic_qa.data.squad import DataError, QAExample, read_squad
+from elastic_qa.data.tokenizer import build_tokenizer
+from elastic_qa.evaluate import answers_from_windows, evaluate, predict_windows
+from elastic_qa.model import SpanQA
+from elastic_qa.observe.log import configure_logging
+
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+class UsageError(Exception):
+    """Bad input on the command line; printed as one line, exit code 2."""
+
+
+def load_checkpoint(path: str) -> LoadedCheckpoint:
+    """A step directory, or the newest valid checkpoint of a checkpoint directory (path or URL)."""
+    store = CheckpointStore(path.rstrip("/"))
+    checkpointer = Checkpointer(CheckpointConfig(), store)
+    if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
+        parent, _, name = store.root.rpartition("/")
+        step = int(name.split("-")[-1]) if name.startswith("step-") else 0
+        return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
+            store.root, step
+        )
+    loaded = checkpointer.load_newest()
+    if loaded is None:
+        raise UsageError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {path}`)")
+    return loaded
+
+
+def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> tuple[SpanQA, Config]:
+    try:
+        cfg = config_from_dict(loaded.trainer["config"])
+    except (ConfigError, KeyError, TypeError) as err:
+        raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
+    model = SpanQA(tokenizer.vocab_size, cfg.model)
+    try:
+        model.load_state_dict(loaded.model)
+    except RuntimeError as err:
+        raise UsageError(f"{loaded.path}: model weights do not fit the stored config: {err}") from None
+    # map_location="cpu" at load time, then here to wherever we run: works for GPU-trained checkpoints.
+    return model.to(device).eval(), cfg
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from elastic_qa.train import resolve_config
+
+    cfg = resolve_config(args.config, args.overrides)
+    configure_logging(None, cfg.log.level)
+    started = time.perf_counter()
+    data = prepare(cfg.data)
+    print(
+        f"cache {data.path}: {len(data.train)} training windows, "
+        f"{len(data.eval) if data.eval is not None else 0} evaluation windows "
+        f"({time.perf_counter() - started:.2f}s)"
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    device = _device()
+    loaded = load_checkpoint(args.checkpoint)
+    model, cfg = model_from_checkpoint(loaded, device)
+    if args.data:
+        examples, _ = read_squad(args.data, cfg.data.skip_malformed)
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
+        features = build_features(
+            examples, tokenizer, cfg.data.max_seq_len, cfg.data.max_query_len, cfg.data.doc_stride
+        )
+    else:
+        data = prepare(cfg.data)
+        if data.eval is None:
+            raise UsageError("the checkpoint's data has no evaluation split: pass --data FILE")
+        examples, features = data.eval_examples, data.eval
+    scores = evaluate(model, features, examples, cfg.train.eval_batch_size, cfg.data.max_answer_len, device)
+    print(
+        f"checkpoint {loaded.path} (step {loaded.step}): EM {scores['em']:.4f}  F1 {scores['f1']:.4f}  "
+        f"on {scores['count']} questions"
+    )
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    device = _device()
+    loaded = load_checkpoint(args.checkpoint)
+    model, cfg = model_from_checkpoint(loaded, device)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
+    example = QAExample("ask", args.question, args.context, ())
+    features = build_features(
+        [example], tokenizer, cfg.data.max_seq_len, cfg.data.max_query_len, cfg.data.doc_stride
+    )
+    windows = predict_windows(model, features, range(len(features)), 64, cfg.data.max_answer_len, device)
+    answer = answers_from_windows(windows, [example])["ask"]
+    print(answer if answer else "(no answer in the context)")
+    return 0
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from elastic_qa.checkpoint import inspect
+
+    handlers = {"list": inspect.cmd_list, "verify": inspect.cmd_verify, "show": inspect.cmd_show}
+    return handlers[args.ckpt_command](args.path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
+    p.add_argument("--config", default="default")
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("eval", help="EM/F1 of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (newest valid) or step-N")
+    p.add_argument("--data", help="SQuAD JSON to evaluate on (default: the run's evaluation split)")
+    p = sub.add_parser("ask", help="answer one question from a context")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--context", required=True)
+    p.add_argument("--question", required=True)
+    p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
+    p.add_argument("ckpt_command", choices=["list", "verify", "show"])
+    p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
+    p = sub.add_parser("bench", help="benchmarks (see README)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("report", help="render a run into one self-contained HTML page")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            from elastic_qa.bench.cli import main as bench_main
+
+            return bench_main(args.bench_args)
+        if args.command == "report":
+            from elastic_qa.observe.report import render_report
+
+            out = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
+            print(out)
+            return 0
+        handler = {"prepare": cmd_prepare, "eval": cmd_eval, "ask": cmd_ask, "ckpt": cmd_ckpt}[args.command]
+        return handler(args)
+    except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

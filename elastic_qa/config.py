@@ -1,0 +1,486 @@
+"""The typed config tree: YAML files plus dotted command-line overrides, validated at load.
+
+Every field is documented by the string under it. Validation happens once, here, so that a bad value
+fails at start-up with one line naming the key and the value, before anything is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or impossible. The message names key and value."""
+
+
+class _FieldError(ValueError):
+    def __init__(self, name: str, value: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.name, self.value, self.reason = name, value, reason
+
+
+def _require(ok: bool, name: str, value: Any, reason: str) -> None:
+    if not ok:
+        raise _FieldError(name, value, reason)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str | int | float) -> timedelta:
+    """`"10s"`, `"5m"`, `"1h"`, `"250ms"`, `"2d"` or a bare number of seconds."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a duration: {text!r}")
+    if isinstance(text, int | float):
+        return timedelta(seconds=float(text))
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 10s, 5m, 1h)")
+    return timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+def format_duration(value: timedelta) -> str:
+    seconds = value.total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory (local path): resolved config, logs, ledger, default checkpoint dir."""
+    seed: int = 1234
+    """Base seed: data order, init, dropout. Per-rank randomness is derived from (seed, step, rank)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir.strip()), "dir", self.dir, "must not be empty")
+
+
+@dataclass
+class SyntheticConfig:
+    train_examples: int = 24000
+    """Number of generated training questions."""
+    eval_examples: int = 1000
+    """Number of generated held-out questions (a disjoint split of the same generator)."""
+    seed: int = 7
+    """Generator seed; the same seed gives byte-identical data."""
+    unanswerable_fraction: float = 0.1
+    """Share of questions whose answer is not in the context (SQuAD v2 style)."""
+
+    def __post_init__(self) -> None:
+        _require(self.train_examples >= 1, "train_examples", self.train_examples, "must be >= 1")
+        _require(self.eval_examples >= 1, "eval_examples", self.eval_examples, "must be >= 1")
+        _require(
+            0 <= self.unanswerable_fraction < 1,
+            "unanswerable_fraction",
+            self.unanswerable_fraction,
+            "must be in [0, 1)",
+        )
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """`synthetic`, or a SQuAD v1.1/v2.0 JSON file as a path or fsspec URL (file://, memory://, s3://)."""
+    eval_source: str = ""
+    """SQuAD JSON for evaluation; empty means the synthetic held-out split (or no eval for SQuAD)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """The embedded generator used when source is `synthetic`."""
+    tokenizer: Literal["word", "byte"] = "word"
+    """`word`: hashed words, CJK characters as single tokens (short sequences); `byte`: UTF-8 bytes."""
+    vocab_size: int = 32768
+    """Hash buckets of the word tokenizer (ignored by `byte`)."""
+    lowercase: bool = True
+    """Lower-case words before hashing."""
+    max_seq_len: int = 64
+    """Tokens per window: [CLS] question [SEP] context [SEP]."""
+    max_query_len: int = 24
+    """Question tokens kept (the rest are cut)."""
+    doc_stride: int = 32
+    """Context tokens shared by consecutive windows when a context is longer than one window."""
+    max_answer_len: int = 16
+    """Longest answer span, in tokens, considered at prediction time."""
+    cache_dir: str = "~/.cache/elastic_qa"
+    """Local directory of pre-tokenised feature caches (memory-mapped, keyed by content hash)."""
+    num_workers: int = 0
+    """StatefulDataLoader worker processes per rank (0: load in the training process)."""
+    skip_malformed: bool = False
+    """Skip malformed SQuAD records with a counted warning instead of failing."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source.strip()), "source", self.source, "must not be empty")
+        _require(self.vocab_size >= 256, "vocab_size", self.vocab_size, "must be >= 256")
+        _require(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, "must be >= 8")
+        _require(
+            1 <= self.max_query_len <= self.max_seq_len - 4,
+            "max_query_len",
+            self.max_query_len,
+            f"must be in [1, max_seq_len - 4 = {self.max_seq_len - 4}]",
+        )
+        room = self.max_seq_len - self.max_query_len - 3
+        _require(
+            0 <= self.doc_stride < room,
+            "doc_stride",
+            self.doc_stride,
+            f"must be in [0, {room}) (context tokens per window)",
+        )
+        _require(self.max_answer_len >= 1, "max_answer_len", self.max_answer_len, "must be >= 1")
+        _require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    """Hidden size."""
+    n_layers: int = 2
+    """Transformer encoder layers."""
+    n_heads: int = 4
+    """Attention heads (must divide d_model)."""
+    d_ff: int = 256
+    """Feed-forward inner size."""
+    dropout: float = 0.0
+    """Dropout probability; per-step masks derive from (seed, step, rank)."""
+    grad_checkpointing: bool = False
+    """Recompute activations in backward: ~30% more compute for much less activation memory."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "d_ff"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "n_heads",
+            self.n_heads,
+            f"must divide d_model={self.d_model}",
+        )
+        _require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 900
+    """Optimizer steps to train (steps count updates from 1)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step, whatever the world size; ranks split it (unevenly if need be)."""
+    micro_batch_size: int = 32
+    """Largest forward/backward per rank; a larger share is accumulated under no_sync."""
+    lr: float = 2e-3
+    """Peak learning rate (after warm-up), for reference_batch_size samples per step."""
+    lr_scaling: Literal["none", "sqrt"] = "none"
+    """`sqrt`: lr * sqrt(global_batch_size / reference_batch_size) when the batch is changed on purpose."""
+    reference_batch_size: int = 32
+    """The global batch the lr was tuned for (used by lr_scaling=sqrt)."""
+    warmup_steps: int = 60
+    """Linear warm-up steps, then cosine decay to min_lr_ratio * lr at max_steps."""
+    min_lr_ratio: float = 0.05
+    """Final learning rate as a share of the peak."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases, norms and embeddings)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: off)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype: bf16 on CPU or CUDA; fp16 with a GradScaler, CUDA only."""
+    eval_every: int = 300
+    """Evaluate every N steps (0: only at the end)."""
+    eval_batch_size: int = 256
+    """Windows per evaluation forward, per rank."""
+    threads: int = 0
+    """torch intra-op threads per process (0: CPU cores / processes on this host)."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1")
+        _require(self.global_batch_size >= 1, "global_batch_size", self.global_batch_size, "must be >= 1")
+        _require(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
+        _require(self.lr > 0 and math.isfinite(self.lr), "lr", self.lr, "must be a positive number")
+        _require(
+            self.reference_batch_size >= 1, "reference_batch_size", self.reference_batch_size, "must be >= 1"
+        )
+        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+        _require(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
+        _require(self.threads >= 0, "threads", self.threads, "must be >= 0")
+
+    @property
+    def peak_lr(self) -> float:
+        if self.lr_scaling == "sqrt":
+            return self.lr * math.sqrt(self.global_batch_size / self.reference_batch_size)
+        return self.lr
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory as a path or fsspec URL; empty means <run.dir>/checkpoints."""
+    interval: timedelta = timedelta(minutes=30)
+    """Save when this much wall time has passed since the last save (decided by rank 0 for all)."""
+    every_steps: int = 0
+    """Also save every N steps (0: off)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
+    keep_every_steps: int = 0
+    """Milestones: checkpoints whose step is a multiple of N are never pruned (0: none)."""
+    async_: bool = True
+    """Copy the state to CPU at a step boundary, write and commit it in the background."""
+    resume: bool = True
+    """Continue from the newest valid checkpoint when one exists."""
+    require_resume: bool = False
+    """Fail instead of starting fresh when no valid checkpoint exists."""
+    max_consecutive_failures: int = 3
+    """Storage errors tolerated in a row before training fails."""
+
+    def __post_init__(self) -> None:
+        seconds = self.interval.total_seconds()
+        _require(seconds > 0, "interval", format_duration(self.interval), "must be > 0")
+        _require(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
+        _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+        _require(self.keep_every_steps >= 0, "keep_every_steps", self.keep_every_steps, "must be >= 0")
+        _require(
+            self.max_consecutive_failures >= 0,
+            "max_consecutive_failures",
+            self.max_consecutive_failures,
+            "must be >= 0",
+        )
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto picks nccl when CUDA is available, else gloo."""
+    timeout: timedelta = timedelta(seconds=60)
+    """Collective timeout: a frozen rank stalls the others at most this long (torch's default: 30m)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size; bigger buckets suit many small layers."""
+    comm_hook: Literal["none", "bf16", "fp16"] = "none"
+    """Compress gradients to this dtype for the all-reduce (halves the bytes on the wire)."""
+    agent_check_interval: timedelta = timedelta(milliseconds=500)
+    """How often a worker checks that its torchrun agent is still alive."""
+
+    def __post_init__(self) -> None:
+        _require(self.timeout.total_seconds() > 0, "timeout", format_duration(self.timeout), "must be > 0")
+        _require(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "must be > 0")
+        _require(
+            self.agent_check_interval.total_seconds() > 0,
+            "agent_check_interval",
+            format_duration(self.agent_check_interval),
+            "must be > 0",
+        )
+
+
+@dataclass
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written to the per-process JSON log."""
+    every_steps: int = 10
+    """Write a `step` event every N steps (1: every step)."""
+    breakdown_every: int = 50
+    """Write a `step_breakdown` event (data, compute, comm, optimizer, checkpoint, memory) every N steps."""
+    console: Literal["auto", "progress", "plain", "off"] = "auto"
+    """Rank-0 console output: a progress bar on a TTY (auto), plain lines, or nothing."""
+    tensorboard: bool = False
+    """Also write per-rank TensorBoard scalars under <run.dir>/tensorboard (needs the extra)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "every_steps", self.every_steps, "must be >= 1")
+        _require(self.breakdown_every >= 0, "breakdown_every", self.breakdown_every, "must be >= 0")
+
+
+@dataclass
+class DebugConfig:
+    sample_ledger: bool = False
+    """Append, per rank and step, the dataset indices trained on to <run.dir>/ledger/."""
+    kill_at_step: int = 0
+    """Fault injection: SIGKILL this process after completing this step (first attempt only; 0: off)."""
+    kill_rank: int = 0
+    """The rank that kill_at_step applies to."""
+    step_delay: timedelta = timedelta(0)
+    """Sleep this long after each step (to give chaos tools time on tiny models)."""
+
+    def __post_init__(self) -> None:
+        _require(self.kill_at_step >= 0, "kill_at_step", self.kill_at_step, "must be >= 0")
+        _require(self.kill_rank >= 0, "kill_rank", self.kill_rank, "must be >= 0")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run.dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def digest(self) -> str:
+        """sha256 of the resolved config: recorded in every checkpoint manifest."""
+        return hashlib.sha256(self.to_yaml().encode()).hexdigest()
+
+
+def _yaml_name(f: dataclasses.Field) -> str:
+    # `async` is a Python keyword; the YAML key is spelt without the trailing underscore.
+    return f.name[:-1] if f.name.endswith("_") else f.name
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_yaml_name(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, timedelta):
+        return format_duration(obj)
+    return obj
+
+
+def _coerce(path: str, hint: Any, value: Any) -> Any:
+    """Check `value` against the field's type hint, converting only the unambiguous cases."""
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{path}={value!r}: expected {expected}")
+
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{path}={value!r}: must be one of {', '.join(map(str, choices))}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad("a number")
+        if isinstance(value, str):  # PyYAML reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("a number") from None
+        if not isinstance(value, int | float):
+            raise bad("a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if hint is timedelta:
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError:
+            raise bad("a duration such as 10s, 5m or 1h") from None
+    raise TypeError(f"unsupported config type {hint!r} at {path}")  # a bug in this file, not user input
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}={raw!r}: expected a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    by_yaml = {_yaml_name(f): f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in by_yaml:
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(by_yaml)})")
+        f = by_yaml[key]
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, value, where)
+        else:
+            kwargs[f.name] = _coerce(where, hint, value)
+    try:
+        return cls(**kwargs)
+    except _FieldError as err:
+        key = next(k for k, f in by_yaml.items() if f.name == err.name)
+        where = f"{path}.{key}" if path else key
+        raise ConfigError(f"{where}={err.value!r}: {err.reason}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.max_steps=200` -> ("train.max_steps", 200); the value is read as a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or " " in key.strip():
+        raise ConfigError(f"{text!r}: overrides look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (default: the packaged one), apply dotted overrides, validate everything."""
+    source = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = source.read_text()
+    except OSError as err:
+        raise ConfigError(f"config file {source}: cannot read ({err.strerror or err})") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {source}{where}: not valid YAML") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {source}: expected a mapping of sections at the top level")
+    for text_override in overrides:
+        key, value = parse_override(text_override)
+        _set_dotted(tree, key, value)
+    return _build(Config, tree, "")
+
+
+def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+    """A Config from a plain dict (e.g. the resolved config stored in a checkpoint), validated."""
+    tree = copy.deepcopy(tree)
+    for text_override in overrides:
+        key, value = parse_override(text_override)
+        _set_dotted(tree, key, value)
+    return _build(Config, tree, "")
+
+
+def packaged_config(name: str) -> Path:
+    """Path of a config shipped in elastic_qa/configs (e.g. `default`, `squad`, `tiny`)."""
+    return Path(__file__).parent / "configs" / f"{name}.yaml"

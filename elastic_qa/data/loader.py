@@ -1,0 +1,122 @@
+"""StatefulDataLoader over this rank's share of each global batch.
+
+The sampler yields one key per optimizer step (the rank's sample indices for that step) and the dataset
+turns a key into a ready batch by fancy-indexing the memory-mapped columns, so loader workers do all the
+gathering and the training process receives tensors. The loader's own position is deliberately *not* what
+a checkpoint records: workers prefetch ahead, so the resumable position is the trainer's GlobalCursor
+after the last completed optimizer step, and a resumed loader is simply built at that cursor.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from elastic_qa.data.cursor import GlobalCursor, rank_slice
+from elastic_qa.data.features import Features
+from elastic_qa.data.tokenizer import PAD
+
+# torchdata 0.11 calls a deprecated torch API on every loader start; the warning is not actionable.
+warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class RankBatchKey:
+    step: int
+    epoch: int
+    global_count: int  # samples in the whole global batch (the loss normaliser)
+    indices: tuple[int, ...]  # this rank's samples
+    empty: bool  # this rank has no sample this step: it trains on one sample with weight 0
+
+
+class RankBatchSampler:
+    """For each step from the cursor on: this rank's contiguous share of the global batch."""
+
+    def __init__(self, cursor: GlobalCursor, first_step: int, last_step: int, rank: int, world_size: int):
+        self.cursor = copy.copy(cursor)  # a snapshot: the trainer advances its own cursor meanwhile
+        self.first_step, self.last_step = first_step, last_step
+        self.rank, self.world_size = rank, world_size
+
+    def __len__(self) -> int:
+        return max(0, self.last_step - self.first_step + 1)
+
+    def __iter__(self):
+        batches = itertools.islice(self.cursor.batches(self.first_step), len(self))
+        for batch in batches:
+            start, stop = rank_slice(batch.global_count, self.world_size, self.rank)
+            share = tuple(batch.global_indices[start:stop])
+            empty = not share
+            yield RankBatchKey(
+                batch.step, batch.epoch, batch.global_count, share or (batch.global_indices[0],), empty
+            )
+
+
+class FeatureBatches(torch.utils.data.Dataset):
+    """Key -> batch dict; pads are trimmed to the longest sequence in the batch."""
+
+    def __init__(self, features: Features) -> None:
+        self.features = features
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, key: RankBatchKey) -> dict[str, Any]:
+        return collate(self.features, np.asarray(key.indices), key)
+
+
+def collate(features: Features, rows: np.ndarray, key: RankBatchKey | None = None) -> dict[str, Any]:
+    ids = features.input_ids[rows]
+    lengths = (ids != PAD).sum(axis=1)
+    width = int(lengths.max())
+    batch: dict[str, Any] = {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :width])).long(),
+        "segment_ids": torch.from_numpy(np.ascontiguousarray(features.segment_ids[rows, :width])).long(),
+        "start_positions": torch.from_numpy(features.start_positions[rows].astype(np.int64)),
+        "end_positions": torch.from_numpy(features.end_positions[rows].astype(np.int64)),
+        "tokens": int(lengths.sum()),
+    }
+    if key is not None:
+        weight = 0.0 if key.empty else 1.0
+        batch.update(
+            step=key.step,
+            epoch=key.epoch,
+            global_count=key.global_count,
+            indices=[] if key.empty else list(key.indices),
+            weights=torch.full((len(rows),), weight),
+        )
+    return batch
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def build_train_loader(
+    features: Features,
+    cursor: GlobalCursor,
+    first_step: int,
+    last_step: int,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    pin_memory: bool = False,
+) -> StatefulDataLoader:
+    sampler = RankBatchSampler(cursor, first_step, last_step, rank, world_size)
+    return StatefulDataLoader(
+        FeatureBatches(features),
+        batch_size=None,  # the sampler's keys are whole batches
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_identity,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if num_workers else None,
+        persistent_workers=False,
+        multiprocessing_context="fork" if num_workers else None,
+    )

@@ -1,0 +1,146 @@
+"""A seeded synthetic QA task, embedded so the default job needs no download.
+
+Each context is a shuffled list of facts about three people. The question names one person and one
+relation; the answer is the value of that fact. Every context holds distractors of both kinds (the same
+relation for another person, other relations for the same person), so a model has to read the question's
+person *and* relation to pick the right span. A share of questions asks for a relation the person does
+not have in the context: unanswerable, SQuAD v2 style.
+"""
+
+from __future__ import annotations
+
+import random
+
+from elastic_qa.data.squad import Answer, QAExample
+
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+_JOBS = [
+    "baker",
+    "nurse",
+    "pilot",
+    "farmer",
+    "teacher",
+    "lawyer",
+    "painter",
+    "software engineer",
+    "bus driver",
+    "chemist",
+    "tailor",
+    "fire fighter",
+    "dentist",
+    "ship captain",
+    "librarian",
+]
+_FOODS = [
+    "apples",
+    "rice",
+    "noodles",
+    "fresh bread",
+    "green beans",
+    "cheese",
+    "fish soup",
+    "dumplings",
+    "mangoes",
+    "tomato salad",
+    "olives",
+    "sweet potatoes",
+    "chocolate cake",
+    "plums",
+]
+_COLOURS = ["red", "blue", "green", "black", "white", "yellow", "purple", "silver"]
+_THINGS = ["bicycle", "boat", "car", "guitar", "piano", "camera", "tent", "horse", "kite", "lamp"]
+_LANGUAGES = ["french", "swahili", "korean", "dutch", "arabic", "hindi", "finnish", "greek", "turkish"]
+
+# relation: (statement templates, question templates); {e} is the person, {v} the value.
+_RELATIONS: dict[str, tuple[list[str], list[str]]] = {
+    "lives_in": (["{e} lives in {v} .", "{e} has a house in {v} ."], ["where does {e} live ?"]),
+    "works_as": (["{e} works as a {v} .", "{e} is employed as a {v} ."], ["what is the job of {e} ?"]),
+    "born_in": (["{e} was born in {v} .", "in {v} , {e} was born ."], ["when was {e} born ?"]),
+    "owns": (["{e} owns a {v} .", "{e} bought a {v} ."], ["what does {e} own ?"]),
+    "eats": (
+        ["{e} likes to eat {v} .", "the favourite food of {e} is {v} ."],
+        ["what does {e} like to eat ?"],
+    ),
+    "friend": (["{e} is friends with {v} .", "{v} is a friend of {e} ."], ["who is a friend of {e} ?"]),
+    "speaks": (["{e} speaks {v} .", "{e} grew up speaking {v} ."], ["which language does {e} speak ?"]),
+    "age": (["{e} is {v} years old .", "the age of {e} is {v} ."], ["how old is {e} ?"]),
+}
+
+
+class _World:
+    """Vocabularies drawn once from the generator seed (shared by both splits)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.people = sorted({self._name(rng, 2, 3) for _ in range(400)})
+        self.cities = sorted(
+            {self._name(rng, 2, 3) for _ in range(60)} | {f"port {self._name(rng, 2, 2)}" for _ in range(20)}
+        )
+
+    @staticmethod
+    def _name(rng: random.Random, low: int, high: int) -> str:
+        return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(low, high)))
+
+    def value(self, relation: str, rng: random.Random, person: str) -> str:
+        if relation == "lives_in":
+            return rng.choice(self.cities)
+        if relation == "works_as":
+            return rng.choice(_JOBS)
+        if relation == "born_in":
+            return str(rng.randint(1900, 2015))
+        if relation == "owns":
+            return f"{rng.choice(_COLOURS)} {rng.choice(_THINGS)}"
+        if relation == "eats":
+            return rng.choice(_FOODS)
+        if relation == "friend":
+            return rng.choice([p for p in rng.sample(self.people, 3) if p != person])
+        if relation == "speaks":
+            return rng.choice(_LANGUAGES)
+        return str(rng.randint(18, 95))
+
+
+def _example(world: _World, rng: random.Random, qid: str, unanswerable: bool) -> QAExample:
+    relations = sorted(_RELATIONS)
+    target, *others = rng.sample(world.people, 3)
+    asked = rng.choice(relations)
+    # The target gets 2-3 facts (its asked fact unless unanswerable); the asked relation also appears
+    # for at least one other person, so a model that ignores the person picks the wrong span.
+    target_relations = rng.sample([r for r in relations if r != asked], rng.randint(1, 2))
+    if not unanswerable:
+        target_relations.append(asked)
+    facts = [(target, r) for r in target_relations]
+    facts.append((others[0], asked))
+    for person in others:
+        facts += [(person, r) for r in rng.sample(relations, rng.randint(0, 1)) if (person, r) not in facts]
+    # Half the time the target's name also appears inside another person's fact, so "the sentence that
+    # mentions the name" is not enough either.
+    mention = rng.random() < 0.5 and (others[1], "friend") not in facts
+    if mention:
+        facts.append((others[1], "friend"))
+    rng.shuffle(facts)
+
+    context, answer = "", None
+    for person, relation in facts:
+        value = (
+            target
+            if mention and (person, relation) == (others[1], "friend")
+            else world.value(relation, rng, person)
+        )
+        template = rng.choice(_RELATIONS[relation][0])
+        sentence = template.format(e=person, v=value)
+        if context:
+            context += " "
+        if person == target and relation == asked:
+            answer = Answer(value, len(context) + template.format(e=person, v="\0").index("\0"))
+        context += sentence
+    question = rng.choice(_RELATIONS[asked][1]).format(e=target)
+    return QAExample(qid, question, context, (answer,) if answer else ())
+
+
+def generate(split: str, count: int, seed: int, unanswerable_fraction: float) -> list[QAExample]:
+    """`count` examples of `split` ("train" or "eval"); the same arguments give identical examples."""
+    world = _World(random.Random(f"world-{seed}"))
+    rng = random.Random(f"{split}-{seed}")
+    return [
+        _example(world, rng, f"syn-{split}-{i:07d}", rng.random() < unanswerable_fraction)
+        for i in range(count)
+    ]

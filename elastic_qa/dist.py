@@ -1,0 +1,93 @@
+"""Process group up and down, backend and device, threads per process, DDP and its comm hooks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_qa.config import DistConfig
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+    ranks_on_host: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def init_distributed(cfg: DistConfig) -> DistContext:
+    """Join the process group torchrun describes in the environment, or run as one process."""
+    cuda = torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu")
+    if cuda:
+        # Bind before any CUDA work, or every process piles onto GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not launched_by_torchrun():
+        return DistContext(0, 1, 0, device, None, 1)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        timeout=cfg.timeout,
+        device_id=device if backend == "nccl" else None,
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return DistContext(rank, world, local_rank, device, backend, hosts.count(socket.gethostname()))
+
+
+def set_threads(requested: int, ctx: DistContext) -> int:
+    """Intra-op threads: the host's cores shared by the ranks on it (oversubscription costs 2-5x)."""
+    threads = requested or max(1, (os.cpu_count() or 1) // ctx.ranks_on_host)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def wrap_model(model: nn.Module, ctx: DistContext, cfg: DistConfig) -> nn.Module:
+    if not ctx.distributed:
+        return model
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=True,
+    )
+    if cfg.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

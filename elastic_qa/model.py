@@ -1,0 +1,128 @@
+"""A small transformer encoder with start/end span heads (extractive QA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from elastic_qa.config import ModelConfig
+from elastic_qa.data.tokenizer import PAD, SEP
+
+# Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
+_MASKED = -1e4
+
+
+def _rotary_tables(length: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def _in_question(input_ids: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """1 where a context token also occurs in the question (DrQA's exact-match feature), else 0.
+
+    It hands the model the lexical overlap that a small encoder otherwise needs many steps to discover.
+    """
+    question = (segment_ids == 0) & (input_ids > SEP)  # question words, not [CLS]/[SEP]/padding
+    same = input_ids[:, :, None] == input_ids[:, None, :]
+    return ((same & question[:, None, :]).any(dim=2) & (segment_ids == 1)).long()
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm self-attention with rotary positions, then a GELU feed-forward.
+
+    Rotary positions make "the word right after the person's name" a relative pattern the attention can
+    learn once, wherever the sentence sits in the context; learned absolute positions learn it per slot.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ff_norm = nn.LayerNorm(cfg.d_model)
+        self.ff = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.d_ff),
+            nn.GELU(),
+            nn.Linear(cfg.d_ff, cfg.d_model),
+            nn.Dropout(cfg.dropout),
+        )
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, keep: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + self.attn_dropout(self.out(attended.transpose(1, 2).reshape(batch, length, width)))
+        return x + self.ff(self.ff_norm(x))
+
+
+class SpanQA(nn.Module):
+    """Encodes `[CLS] question [SEP] context [SEP]` and scores every position as answer start and end.
+
+    Position 0 ([CLS]) stands for "no answer in this window" (SQuAD v2 unanswerable questions).
+    """
+
+    def __init__(self, vocab_size: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.grad_checkpointing = cfg.grad_checkpointing
+        self.tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
+        self.segments = nn.Embedding(2, cfg.d_model)
+        self.in_question = nn.Embedding(2, cfg.d_model)
+        self.embed_norm = nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model)
+        self.span_head = nn.Linear(cfg.d_model, 2)
+
+    def forward(
+        self, input_ids: torch.Tensor, segment_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start and end logits, float32 [batch, length]; positions that cannot answer are masked."""
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=input_ids.device)
+        keep = (input_ids != PAD)[:, None, None, :]  # attend to real tokens only
+        cos, sin = _rotary_tables(length, self.head_dim, input_ids.device)
+        x = (
+            self.tokens(input_ids)
+            + self.segments(segment_ids)
+            + self.in_question(_in_question(input_ids, segment_ids))
+        )
+        x = self.dropout(self.embed_norm(x))
+        for layer in self.layers:
+            if self.grad_checkpointing and self.training:
+                x = checkpoint(layer, x, keep, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, keep, cos, sin)
+        logits = self.span_head(self.final_norm(x)).float()
+        answerable = ((segment_ids == 1) & (input_ids != SEP)) | (positions == 0)
+        logits = logits.masked_fill(~answerable.unsqueeze(-1), _MASKED)
+        return logits[..., 0], logits[..., 1]
+
+
+def span_loss(
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    start_positions: torch.Tensor,
+    end_positions: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted *sum* over the batch of the mean start/end cross-entropy (normalise by the caller)."""
+    per_sample = F.cross_entropy(start_logits, start_positions, reduction="none")
+    per_sample = per_sample + F.cross_entropy(end_logits, end_positions, reduction="none")
+    return (per_sample * 0.5 * weights).sum()

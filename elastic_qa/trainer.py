@@ -1,0 +1,515 @@
+"""The training loop: restore, then step / log / evaluate / checkpoint until max_steps, then finish.
+
+    restore newest valid checkpoint (or start fresh)
+    for each global batch from the cursor on:
+        train one step (this rank's share, micro-batches under no_sync, loss / global count)
+        advance the cursor; agree with all ranks on "save now?" and "stop now?"
+        log, evaluate, checkpoint as due
+    evaluate, final checkpoint, train_done
+
+Failure handling is a small state machine around that loop:
+    RUNNING --SIGTERM on any rank--> STOPPING: all ranks finish the step, rank 0 commits it, exit 75
+    RUNNING --a collective fails (a peer died or froze)--> EMERGENCY: commit the last completed step, exit 1
+    RUNNING --max_steps reached--> DONE: final eval and checkpoint, exit 0
+Exit 75 (a peer is leaving) and 1 make the torchrun agents regroup; neither loses a completed step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
+from elastic_qa.checkpoint.policy import SaveSchedule
+from elastic_qa.checkpoint.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    rng_state,
+    set_rng_state,
+    versions,
+)
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
+from elastic_qa.config import Config
+from elastic_qa.data.cache import PreparedData
+from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.data.loader import build_train_loader
+from elastic_qa.dist import DistContext, unwrap, wrap_model
+from elastic_qa.elastic.fencing import Fence
+from elastic_qa.elastic.signals import StopRequest
+from elastic_qa.evaluate import evaluate
+from elastic_qa.model import SpanQA, span_loss
+from elastic_qa.observe.breakdown import StepTimer
+from elastic_qa.observe.console import Console
+from elastic_qa.observe.ledger import SampleLedger
+from elastic_qa.observe.log import get_logger, update_identity
+
+EXIT_REGROUP = 75  # a peer is leaving (SIGTERM): this worker saved and wants the agents to regroup
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint exists but does not fit this run (model shape, data); the message says what."""
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: a peer died, froze past dist.timeout, or its agent restarted the group."""
+
+
+def lr_multiplier(warmup_steps: int, total_steps: int, min_ratio: float):
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`."""
+
+    def multiplier(completed: int) -> float:
+        if completed < warmup_steps:
+            return (completed + 1) / warmup_steps
+        progress = min(1.0, (completed - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Per-step randomness (dropout) from (seed, step, rank): identical after any resume."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        # Biases, norms and embeddings are not weight-decayed (standard for transformers).
+        (
+            no_decay
+            if param.ndim < 2 or "tokens" in name or "segments" in name or "in_question" in name
+            else decay
+        ).append(param)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.train.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.train.peak_lr,
+        foreach=True,
+    )
+
+
+@dataclass
+class Decision:
+    stop: bool
+    save: bool
+    tokens: int  # tokens in this step's global batch
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: DistContext, data: PreparedData) -> None:
+        self.cfg, self.ctx, self.data = cfg, ctx, data
+        self.log = get_logger()
+        self.device = ctx.device
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        model = SpanQA(data.vocab_size, cfg.model).to(self.device)
+        self.model = wrap_model(model, ctx, cfg.dist)
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lr_multiplier(cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.min_lr_ratio),
+        )
+        precision = cfg.train.precision
+        if precision == "fp16" and self.device.type != "cuda":
+            raise ValueError("train.precision=fp16 needs CUDA (use bf16 on CPU)")
+        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        self.cursor = GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed)
+        self.step = 0
+        self.resumed_step: int | None = None
+        self.tokens_seen = 0
+        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.fence = Fence(self.store)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.store, may_commit=self.fence.check)
+        self.schedule = SaveSchedule(cfg.checkpoint)
+        self.stop_request = StopRequest()
+        # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
+        self.control_group = None
+        if ctx.distributed:
+            self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
+        self.timer = StepTimer(self.device, cfg.log.breakdown_every)
+        self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
+        self.ledger: SampleLedger | None = None
+        self.attempt = 0
+
+    # ---- start-up -----------------------------------------------------------------------------------
+    def register_attempt(self) -> int:
+        """Job-wide attempt number: rank 0 claims the next one in the checkpoint store, all ranks agree."""
+        number = torch.zeros(1, dtype=torch.int64)
+        if self.ctx.is_main:
+            number[0] = self.fence.register(self.ctx.world_size)
+            # Unfinished writes of older attempts can never commit (fencing): remove them.
+            self.store.clean_staging(older_than_s=0)
+        if self.ctx.distributed:
+            dist.broadcast(number, src=0, group=self.control_group)
+        self.attempt = self.fence.attempt = int(number[0])
+        update_identity(attempt=self.attempt)
+        if self.cfg.debug.sample_ledger:
+            self.ledger = SampleLedger(self.cfg.run.dir, self.attempt, self.ctx.rank, self.ctx.world_size)
+        return self.attempt
+
+    def restore(self) -> LoadedCheckpoint | None:
+        """Continue from the newest checkpoint that verifies (chosen by rank 0, loaded by all)."""
+        loaded = None
+        if self.cfg.checkpoint.resume:
+            chosen = torch.full((1,), -1, dtype=torch.int64)
+            if self.ctx.is_main:
+                loaded = self.checkpointer.load_newest()
+                chosen[0] = loaded.step if loaded else -1
+            if self.ctx.distributed:
+                dist.broadcast(chosen, src=0, group=self.control_group)
+            if chosen[0] >= 0 and loaded is None:
+                path = self.store.path(f"step-{int(chosen[0]):08d}")
+                loaded = self.checkpointer.load_step(path, int(chosen[0]))
+        if loaded is None:
+            if self.cfg.checkpoint.require_resume:
+                raise ResumeError(
+                    f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
+                )
+            self.log.info("start_fresh", checkpoint_dir=self.store.url)
+            return None
+        self._apply(loaded)
+        self.log.info(
+            "resume",
+            step=self.step,
+            path=self.store.display(loaded.path),
+            saved_world_size=loaded.trainer["trainer"]["world_size"],
+            world_size=self.ctx.world_size,
+            epoch=self.cursor.epoch,
+            cursor=self.cursor.samples_consumed,
+        )
+        return loaded
+
+    def _apply(self, loaded: LoadedCheckpoint) -> None:
+        state = loaded.trainer
+        try:
+            unwrap(self.model).load_state_dict(loaded.model)
+            self.optimizer.load_state_dict(loaded.optimizer)
+            self.cursor.load_state_dict(state["data"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {err}") from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        # An explicit lr (the config may have changed it) wins over the saved base lr.
+        self.scheduler.base_lrs = [self.cfg.train.peak_lr for _ in self.scheduler.base_lrs]
+        self.step = self.resumed_step = int(state["trainer"]["step"])
+        self.tokens_seen = int(state["trainer"]["tokens_seen"])
+        rngs = state.get("rng", {})
+        if str(self.ctx.rank) in rngs:
+            set_rng_state(rngs[str(self.ctx.rank)])
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.stop_request.install()
+        loader = build_train_loader(
+            self.data.train,
+            self.cursor,
+            self.step + 1,
+            cfg.train.max_steps,
+            self.ctx.rank,
+            self.ctx.world_size,
+            cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.log.info(
+            "train_start",
+            step=self.step,
+            max_steps=cfg.train.max_steps,
+            train_windows=len(self.data.train),
+            world_size=self.ctx.world_size,
+        )
+        self.schedule.saved()
+        batches = iter(loader)
+        try:
+            while self.step < cfg.train.max_steps:
+                self.timer.start_step(self.step + 1)
+                batch = next(batches)
+                self.timer.mark("data")
+                control = self._start_control(batch["tokens"])
+                self._check_batch(batch)
+                if self.ledger:
+                    self.ledger.record(batch["step"], batch["epoch"], batch["indices"])
+                stats, decision = self._train_step(batch, control)
+                self._after_step(batch, stats, decision)
+                if decision.stop:
+                    return self._stop_for_regroup()
+            return self._finish()
+        except (RuntimeError, dist.DistBackendError) as err:
+            if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError):
+                raise
+            self._emergency_save(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+            raise PeerFailure(str(err)) from err
+        finally:
+            self.stop_request.uninstall()
+
+    def _check_batch(self, batch: dict[str, Any]) -> None:
+        if batch["step"] != self.step + 1:  # a loader bug would silently break exactly-once
+            raise AssertionError(f"loader produced step {batch['step']}, expected {self.step + 1}")
+
+    def _train_step(self, batch: dict[str, Any], control) -> tuple[dict[str, Any], Decision]:
+        model, device = self.model, self.device
+        model.train()
+        torch.manual_seed(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank))
+        rows = batch["input_ids"].shape[0]
+        micro = self.cfg.train.micro_batch_size
+        starts = list(range(0, rows, micro))
+        # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
+        # the result the mean over the global batch, however unevenly it is split (seed article 3.4).
+        scale = self.ctx.world_size / batch["global_count"]
+        loss_sum = torch.zeros((), device=device)
+        for i, lo in enumerate(starts):
+            hi = lo + micro
+            sync = i == len(starts) - 1 or not self.ctx.distributed
+            with model.no_sync() if not sync else nullcontext():
+                with torch.autocast(
+                    device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+                ):
+                    start_logits, end_logits = model(
+                        batch["input_ids"][lo:hi].to(device, non_blocking=True),
+                        batch["segment_ids"][lo:hi].to(device, non_blocking=True),
+                    )
+                loss = span_loss(
+                    start_logits,
+                    end_logits,
+                    batch["start_positions"][lo:hi].to(device, non_blocking=True),
+                    batch["end_positions"][lo:hi].to(device, non_blocking=True),
+                    batch["weights"][lo:hi].to(device, non_blocking=True),
+                )
+                loss_sum += loss.detach()
+                (self.scaler.scale(loss * scale) if self.scaler else loss * scale).backward()
+        self.timer.mark("forward_backward")
+        decision = self._finish_control(control)  # the last collective of the step
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), self.cfg.train.grad_clip or float("inf"), foreach=True
+        )
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The step is complete: every piece of state moves together, with no collective in between.
+        self.cursor.advance_to(batch["epoch"], batch["global_count"])
+        self.step = batch["step"]
+        self.tokens_seen += decision.tokens
+        self.timer.mark("optimizer")
+        return {"loss_sum": loss_sum, "count": len(batch["indices"]), "grad_norm": grad_norm}, decision
+
+    def _start_control(self, tokens: int):
+        """Start the per-step agreement on (stop, save) and the global token count; it overlaps with the
+        step's compute."""
+        flags = torch.tensor(
+            [
+                float(self.stop_request.requested),
+                float(self.ctx.is_main and self.schedule.due(self.step + 1)),
+                float(tokens),
+            ],
+            dtype=torch.float64,
+        )
+        if not self.ctx.distributed:
+            return flags, None
+        return flags, dist.all_reduce(flags, group=self.control_group, async_op=True)
+
+    def _finish_control(self, control) -> Decision:
+        flags, work = control
+        if work is not None:
+            work.wait()
+        return Decision(stop=flags[0].item() > 0, save=flags[1].item() > 0, tokens=int(flags[2].item()))
+
+    def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
+        cfg, step = self.cfg, self.step
+        if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
+            self._log_step(batch, stats)
+        if not decision.stop and (decision.save and step < cfg.train.max_steps):
+            self.save(reason="periodic")
+        self.timer.mark("checkpoint")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+            self.run_eval()
+        self.timer.finish_step(self.ctx, self.log, self.console if self.ctx.is_main else None)
+        self._debug_hooks(step)
+
+    def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
+        local = torch.stack([stats["loss_sum"].float().cpu(), torch.tensor(float(stats["count"]))])
+        totals = local.clone()
+        if self.ctx.distributed:
+            dist.all_reduce(totals, group=self.control_group)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        rate = self.timer.samples_per_s(batch["global_count"])
+        self.log.info(
+            "step",
+            step=self.step,
+            epoch=batch["epoch"],
+            loss=round(loss, 6),
+            rank_loss=round((local[0] / local[1].clamp(min=1)).item(), 6),
+            lr=self.scheduler.get_last_lr()[0],
+            grad_norm=round(float(stats["grad_norm"]), 6),
+            samples_per_s=round(rate, 2),
+            world_size=self.ctx.world_size,
+            cursor=self.cursor.samples_consumed,
+        )
+        self.console.progress(self.step, loss, rate)
+
+    def _debug_hooks(self, step: int) -> None:
+        debug = self.cfg.debug
+        if debug.step_delay.total_seconds() > 0:
+            time.sleep(debug.step_delay.total_seconds())
+        if debug.kill_at_step == step and debug.kill_rank == self.ctx.rank:
+            marker = Path(self.cfg.run.dir) / "debug" / f"killed-step-{step}-rank-{self.ctx.rank}"
+            if not marker.exists():  # once per run, however often the step is replayed
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+                self.log.warning("debug_kill", step=step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- evaluation and saving ----------------------------------------------------------------------
+    def run_eval(self) -> dict[str, float] | None:
+        if self.data.eval is None:
+            return None
+        started = time.perf_counter()
+        scores = evaluate(
+            unwrap(self.model),
+            self.data.eval,
+            self.data.eval_examples,
+            self.cfg.train.eval_batch_size,
+            self.cfg.data.max_answer_len,
+            self.device,
+            self.autocast_dtype,
+        )
+        if scores is not None:
+            self.log.info(
+                "eval",
+                step=self.step,
+                em=round(scores["em"], 4),
+                f1=round(scores["f1"], 4),
+                questions=scores["count"],
+                seconds=round(time.perf_counter() - started, 3),
+            )
+            self.console.line(f"eval step {self.step}: EM {scores['em']:.3f}  F1 {scores['f1']:.3f}")
+        return scores
+
+    def _trainer_state(self, rngs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "trainer": {
+                "step": self.step,
+                "epoch": self.cursor.epoch,
+                "samples_consumed": self.cursor.samples_consumed,
+                "global_batch_size": self.cfg.train.global_batch_size,
+                "world_size": self.ctx.world_size,
+                "tokens_seen": self.tokens_seen,
+                "attempt": self.attempt,
+            },
+            "data": self.cursor.state_dict(),
+            "rng": rngs,
+            "config": self.cfg.to_dict(),
+            "versions": versions(),
+        }
+
+    def _manifest_fields(self) -> dict[str, Any]:
+        return {
+            "epoch": self.cursor.epoch,
+            "world_size": self.ctx.world_size,
+            "attempt": self.attempt,
+            "config_hash": self.cfg.digest(),
+            "versions": versions(),
+        }
+
+    def save(self, reason: str, blocking: bool = False, gather_rng: bool = True) -> None:
+        """Checkpoint the last completed step. Collective unless gather_rng is False."""
+        rngs = (
+            gather_rng_states(self.ctx, self.control_group)
+            if gather_rng
+            else {str(self.ctx.rank): rng_state()}
+        )
+        if not self.ctx.is_main and gather_rng:
+            return
+        state = {
+            MODEL_FILE: unwrap(self.model).state_dict(),
+            OPTIMIZER_FILE: self.optimizer.state_dict(),
+            TRAINER_FILE: self._trainer_state(rngs),
+        }
+        result = self.checkpointer.save(
+            self.step, state, self._manifest_fields(), blocking=blocking, reason=reason
+        )
+        self.timer.add_stall(result.blocking_seconds)
+        self.schedule.saved()
+
+    def _emergency_save(self, reason: str) -> None:
+        """A collective failed: commit the last completed step from this replica (any survivor may)."""
+        self.log.error("emergency_checkpoint", step=self.step, reason=reason)
+        try:
+            self.checkpointer.wait()
+            if self.step == 0 or self.store.exists(self.step):
+                return
+            # Survivors all hold the same state; stagger them so that usually only one writes it.
+            time.sleep(min(self.ctx.rank, 8) * 0.2)
+            if not self.store.exists(self.step):
+                self.save(reason="emergency", blocking=True, gather_rng=False)
+        except Exception as err:
+            self.log.error(
+                "emergency_checkpoint_failed", step=self.step, error=f"{type(err).__name__}: {err}"
+            )
+
+    def _stop_for_regroup(self) -> dict[str, Any]:
+        self.log.warning("stopping", step=self.step, signal=self.stop_request.signal_name)
+        if self.step > 0:
+            self.save(reason="sigterm", blocking=True)
+        self.checkpointer.close()
+        return {"stopped": True, "step": self.step}
+
+    def _finish(self) -> dict[str, Any]:
+        scores = self.run_eval()
+        if self.step > 0 and self.resumed_step != self.step:
+            self.save(reason="final", blocking=True)
+        self.checkpointer.close()
+        if self.ctx.distributed:
+            dist.barrier(group=self.control_group)
+        self.log.info(
+            "train_done",
+            step=self.step,
+            tokens_seen=self.tokens_seen,
+            **({"em": scores["em"], "f1": scores["f1"]} if scores else {}),
+        )
+        return {"stopped": False, "step": self.step, **(scores or {})}
+
+
+def gather_rng_states(ctx: DistContext, group) -> dict[str, Any]:
+    """Every rank's RNG state on rank 0, moved as bytes in uint8 tensors and read with weights_only."""
+    import io
+
+    mine = rng_state()
+    if not ctx.distributed:
+        return {"0": mine}
+    buffer = io.BytesIO()
+    torch.save(mine, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    widest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(widest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, padded, group=group)
+    if not ctx.is_main:
+        return {}
+    return {
+        str(rank): torch.load(io.BytesIO(part[: int(size.item())].numpy().tobytes()), weights_only=True)
+        for rank, (part, size) in enumerate(zip(parts, sizes, strict=True))
+    }

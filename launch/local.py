@@ -1,0 +1,319 @@
+"""Elastic torchrun agents on this host: start a job, add an agent, stop one gracefully, stop all.
+
+    python launch/local.py start --agents 2 [--min 1 --max 4] [--config CFG] [overrides ...]
+    python launch/local.py join  --run-dir DIR          # one more agent: the group regroups larger
+    python launch/local.py leave --run-dir DIR [--agent N]   # SIGTERM one agent: it saves and leaves
+    python launch/local.py stop  --run-dir DIR          # SIGTERM every agent
+    python launch/local.py status --run-dir DIR
+
+Every agent runs `torchrun --nnodes=MIN:MAX --nproc_per_node=P --rdzv_backend=c10d` on a free port with
+its own log file under <run.dir>/agents/. Two torch 2.13 traps are handled here (see README): joiners need
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly one same-host agent is `is_host=1` (it holds the c10d
+store). The job description is kept in <run.dir>/launch.json so that join/leave/stop find it.
+Each action is logged as one JSON line on stderr and in <run.dir>/agents/launch.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastic_qa.config import Config, ConfigError
+from elastic_qa.data.cache import prepare
+from elastic_qa.data.squad import DataError
+from elastic_qa.train import resolve_config
+
+# Rendezvous settings (the README explains the trade-offs):
+# - last_call_timeout=2: after min nodes are in, wait 2 s for more (torch's default 30 s is added to every
+#   regroup); long enough for agents restarted together to arrive in the same round.
+# - keep_alive 2 s x 3: a lost node is declared dead after ~6 s (default 5 s x 3 = 15 s). Shorter (1 s x 2)
+#   regrouped faster but let a busy agent miss heartbeats and split the job in two (TORCHRUN.md).
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=600"
+MONITOR_INTERVAL = 0.5
+MAX_RESTARTS = 100
+EXIT_BAD_INPUT = 2
+
+
+def log_action(run_dir: Path | None, event: str, **fields) -> None:
+    line = json.dumps({"event": event, "ts": round(time.time(), 3), **fields})
+    print(line, file=sys.stderr, flush=True)
+    if run_dir is not None:
+        (run_dir / "agents").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "agents" / "launch.jsonl", "a") as handle:
+            handle.write(line + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours is not alive
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        return finished == 0
+    except ChildProcessError:
+        return True
+
+
+def read_job(run_dir: Path) -> dict:
+    path = run_dir / "launch.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"launch: {path} not found: no job was started with --run-dir {run_dir}") from None
+
+
+def write_job(run_dir: Path, job: dict) -> None:
+    staging = run_dir / "launch.json.tmp"
+    staging.write_text(json.dumps(job, indent=1))
+    staging.replace(run_dir / "launch.json")
+
+
+def agent_command(job: dict, is_host: bool) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={job['min']}:{job['max']}",
+        f"--nproc_per_node={job['nproc_per_node']}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{job['port']}",
+        f"--rdzv_id={job['run_id']}",
+        f"--rdzv_conf=is_host={int(is_host)},{RDZV_CONF}",
+        f"--max-restarts={job['max_restarts']}",
+        f"--monitor-interval={MONITOR_INTERVAL}",
+        "-m",
+        "elastic_qa.train",
+        "--config",
+        job["config"],
+        *job["overrides"],
+    ]
+
+
+def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
+    index = len(job["agents"])
+    is_host = index == 0
+    log_path = run_dir / "agents" / f"agent-{index}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    handle = open(log_path, "ab")  # noqa: SIM115 - owned by the agent process
+    process = subprocess.Popen(
+        agent_command(job, is_host),
+        stdout=subprocess.PIPE if echo else handle,
+        stderr=handle,
+        env=env,
+        start_new_session=True,  # Ctrl-C reaches the launcher, which stops agents in order
+    )
+    if echo:
+        threading.Thread(target=_tee, args=(process.stdout, handle), daemon=True).start()
+    agent = {
+        "index": index,
+        "pid": process.pid,
+        "is_host": is_host,
+        "log": str(log_path),
+        "started": time.time(),
+    }
+    job["agents"].append(agent)
+    write_job(run_dir, job)
+    log_action(run_dir, "agent_started", agent=index, pid=process.pid, is_host=is_host, log=str(log_path))
+    return process
+
+
+def _tee(stream, handle) -> None:
+    """Worker stdout (rank 0's progress and result) to the console and the agent's log."""
+    for line in iter(stream.readline, b""):
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+        handle.write(line)
+        handle.flush()
+
+
+def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
+    """Fail fast with exit 2 on a bad config or data, before any agent starts; build the data cache."""
+    try:
+        cfg = resolve_config(cfg_name, overrides)
+    except ConfigError as err:
+        print(f"elastic-qa: config error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    try:
+        prepare(cfg.data)
+    except DataError as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    return cfg
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    cfg = check_inputs(args.config, args.overrides)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "launch.json").exists() and any(alive(a["pid"]) for a in read_job(run_dir)["agents"]):
+        print(f"launch: a job is already running in {run_dir} (use join/leave/stop)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    job = {
+        "run_id": f"eqa-{os.getpid()}-{int(time.time())}",
+        "port": args.port or free_port(),
+        "min": args.min,
+        "max": args.max,
+        "nproc_per_node": args.nproc_per_node,
+        "max_restarts": args.max_restarts,
+        "config": args.config,
+        "overrides": args.overrides,
+        "agents": [],
+    }
+    log_action(
+        run_dir,
+        "job_start",
+        run_id=job["run_id"],
+        port=job["port"],
+        agents=args.agents,
+        nnodes=f"{args.min}:{args.max}",
+    )
+    started: list[subprocess.Popen] = []
+    try:
+        for i in range(args.agents):
+            started.append(start_agent(run_dir, job, echo=(i == 0)))
+    except BaseException:
+        for process in started:  # never leave agents of a half-started job behind
+            process.kill()
+        raise
+
+    def stop_all(signum, _frame):
+        log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
+        for agent in read_job(run_dir)["agents"]:
+            if alive(agent["pid"]):
+                os.kill(agent["pid"], signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
+    codes = {index: process.wait() for index, process in enumerate(started)}
+    # Agents added later by `join` are not our children: wait for them too.
+    while any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes):
+        time.sleep(0.5)
+    log_action(run_dir, "job_end", exit_codes=codes)
+    print_result(run_dir)
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def print_result(run_dir: Path) -> None:
+    """The final EM/F1 as rank 0 logged it."""
+    done = None
+    for path in sorted((run_dir / "logs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+        for line in path.read_text().splitlines():
+            if '"train_done"' in line and '"em"' in line:
+                done = json.loads(line)
+    if done and "em" in done:
+        print(f"result: step {done['step']}  EM {done['em']:.4f}  F1 {done['f1']:.4f}  ({run_dir})")
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    job = read_job(run_dir)
+    live = [a for a in job["agents"] if alive(a["pid"])]
+    if not live:
+        print(f"launch: no agent of {run_dir} is running", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if len(live) >= job["max"]:
+        print(f"launch: the job already has its maximum of {job['max']} agents", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(start_agent(run_dir, job, echo=False).pid)
+    return 0
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    job = read_job(run_dir)
+    live = [a for a in job["agents"] if alive(a["pid"])]
+    candidates = (
+        [a for a in live if a["index"] == args.agent]
+        if args.agent is not None
+        else [a for a in live if not a["is_host"]][-1:]
+    )
+    if not candidates:
+        print("launch: no such running agent (the store host leaves only with `stop`)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    agent = candidates[0]
+    os.kill(agent["pid"], signal.SIGTERM)
+    log_action(run_dir, "agent_leave", agent=agent["index"], pid=agent["pid"])
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    for agent in read_job(run_dir)["agents"]:
+        if alive(agent["pid"]):
+            os.kill(agent["pid"], signal.SIGTERM)
+            log_action(run_dir, "agent_stop", agent=agent["index"], pid=agent["pid"])
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    job = read_job(Path(args.run_dir))
+    for agent in job["agents"]:
+        state = "running" if alive(agent["pid"]) else "exited"
+        print(f"agent {agent['index']}  pid {agent['pid']}  {'host ' if agent['is_host'] else ''}{state}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="launch/local.sh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start a job with N agents and wait for it")
+    start.add_argument("--agents", type=int, default=2, help="agents to start now (default 2)")
+    start.add_argument("--min", type=int, default=1, help="fewest agents the job runs with (default 1)")
+    start.add_argument("--max", type=int, default=4, help="most agents the job accepts (default 4)")
+    start.add_argument("--nproc-per-node", type=int, default=1, help="workers per agent (default 1)")
+    start.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help=f"regroups each agent allows (default {MAX_RESTARTS})",
+    )
+    start.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
+    start.add_argument("--config", default="default", help="config file or packaged config name")
+    start.add_argument("overrides", nargs="*", help="section.key=value")
+    for name, helptext in (
+        ("join", "add one agent to a running job"),
+        ("leave", "SIGTERM one agent (preemption): it saves and leaves"),
+        ("stop", "SIGTERM every agent"),
+        ("status", "list the job's agents"),
+    ):
+        command = sub.add_parser(name, help=helptext)
+        command.add_argument("--run-dir", required=True, help="run.dir of the job")
+        if name == "leave":
+            command.add_argument("--agent", type=int, help="agent index (default: the newest non-host)")
+    args = parser.parse_args(argv)
+    if args.command == "start" and not 1 <= args.min <= args.agents <= args.max:
+        parser.error(f"need 1 <= --min ({args.min}) <= --agents ({args.agents}) <= --max ({args.max})")
+    handler = {
+        "start": cmd_start,
+        "join": cmd_join,
+        "leave": cmd_leave,
+        "stop": cmd_stop,
+        "status": cmd_status,
+    }[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
