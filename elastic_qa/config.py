@@ -80,7 +80,7 @@ class SyntheticConfig:
     """Number of generated held-out questions (a disjoint split of the same generator)."""
     seed: int = 7
     """Generator seed; the same seed gives byte-identical data."""
-    unanswerable_fraction: float = 0.1
+    unanswerable_fraction: float = 0.15
     """Share of questions whose answer is not in the context (SQuAD v2 style)."""
 
     def __post_init__(self) -> None:
@@ -104,8 +104,8 @@ class DataConfig:
     """The embedded generator used when source is `synthetic`."""
     tokenizer: Literal["word", "byte"] = "word"
     """`word`: hashed words, CJK characters as single tokens (short sequences); `byte`: UTF-8 bytes."""
-    vocab_size: int = 32768
-    """Hash buckets of the word tokenizer (ignored by `byte`)."""
+    vocab_size: int = 8192
+    """Hash buckets of the word tokenizer (ignored by `byte`); more buckets, fewer collisions, more weights."""
     lowercase: bool = True
     """Lower-case words before hashing."""
     max_seq_len: int = 64
@@ -173,7 +173,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 900
+    max_steps: int = 600
     """Optimizer steps to train (steps count updates from 1)."""
     global_batch_size: int = 32
     """Samples per optimizer step, whatever the world size; ranks split it (unevenly if need be)."""
@@ -195,7 +195,7 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0: off)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype: bf16 on CPU or CUDA; fp16 with a GradScaler, CUDA only."""
-    eval_every: int = 300
+    eval_every: int = 200
     """Evaluate every N steps (0: only at the end)."""
     eval_batch_size: int = 256
     """Windows per evaluation forward, per rank."""
