@@ -55,6 +55,8 @@ def parse_duration(text: str | int | float) -> timedelta:
 
 def format_duration(value: timedelta) -> str:
     seconds = value.total_seconds()
+    if seconds == 0:
+        return "0s"  # not "0ms": an error about `interval=0s` should show the value as the user wrote it
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -105,7 +107,7 @@ class DataConfig:
     tokenizer: Literal["word", "byte"] = "word"
     """`word`: hashed words, CJK characters as single tokens (short sequences); `byte`: UTF-8 bytes."""
     vocab_size: int = 8192
-    """Hash buckets of the word tokenizer (ignored by `byte`); more buckets, fewer collisions, more weights."""
+    """Hash buckets of the word tokenizer (ignored by `byte`): more buckets, fewer collisions."""
     lowercase: bool = True
     """Lower-case words before hashing."""
     max_seq_len: int = 64
@@ -292,8 +294,8 @@ class LogConfig:
     """Write a `step` event every N steps (1: every step)."""
     breakdown_every: int = 50
     """Write a `step_breakdown` event (data, compute, comm, optimizer, checkpoint, memory) every N steps."""
-    console: Literal["auto", "progress", "plain", "off"] = "auto"
-    """Rank-0 console output: a progress bar on a TTY (auto), plain lines, or nothing."""
+    console: Literal["auto", "progress", "plain", "none"] = "auto"
+    """Rank-0 console: a progress bar on a TTY (auto), plain lines, or none (YAML reads `off` as false)."""
     tensorboard: bool = False
     """Also write per-rank TensorBoard scalars under <run.dir>/tensorboard (needs the extra)."""
 

@@ -462,7 +462,7 @@ class Trainer:
             time.sleep(min(self.ctx.rank, 8) * 0.2)
             if not self.store.exists(self.step):
                 self.save(reason="emergency", blocking=True, gather_rng=False)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - already failing: report, never mask the cause
             self.log.error(
                 "emergency_checkpoint_failed", step=self.step, error=f"{type(err).__name__}: {err}"
             )

@@ -141,7 +141,7 @@ class Checkpointer:
         except StaleWriterError as err:
             self.log.error("checkpoint_fenced", step=step, reason=str(err))
             self._fatal = err
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - storage errors of any backend must not stop training
             self._failures += 1
             self.log.error(
                 "checkpoint_failed",
@@ -166,7 +166,7 @@ class Checkpointer:
             try:
                 self.store.remove(info.path)
                 self.log.info("checkpoint_pruned", step=info.step, path=self.store.display(info.path))
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a failed delete is logged, never fatal
                 self.log.warning("checkpoint_prune_failed", step=info.step, path=info.path, error=str(err))
 
     # ---- loading ------------------------------------------------------------------------------------

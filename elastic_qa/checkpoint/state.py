@@ -8,6 +8,7 @@ serialises the copy.
 
 from __future__ import annotations
 
+import collections
 import random
 import sys
 from typing import Any
@@ -77,13 +78,15 @@ def check_safe(obj: Any, where: str = "state") -> None:
         return
     if isinstance(obj, torch.nn.Parameter):
         raise TypeError(f"{where}: a Parameter, not a plain tensor")
-    if isinstance(obj, dict):
+    # Containers and keys too: a namedtuple, a dict/list subclass, an enum key are pickled as their class.
+    # OrderedDict (module state dicts) and torch.Size are on weights_only's allow list.
+    if type(obj) in (dict, collections.OrderedDict):
         for key, value in obj.items():
-            if not isinstance(key, str | int):
+            if type(key) not in (str, int, bool):
                 raise TypeError(f"{where}: key {key!r} is not a string or int")
             check_safe(value, f"{where}.{key}")
         return
-    if isinstance(obj, list | tuple):
+    if type(obj) in (list, tuple, torch.Size):
         for i, value in enumerate(obj):
             check_safe(value, f"{where}[{i}]")
         return

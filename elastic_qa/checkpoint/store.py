@@ -159,7 +159,7 @@ class CheckpointStore:
             raise CheckpointError(f"{path}: {logical} changed since it was verified")
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means: refuse this file
             raise CheckpointError(f"{path}: {logical} refused by weights_only loading: {err}") from None
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -182,12 +182,16 @@ class CheckpointStore:
         staging = self.path(f"{_TMP_PREFIX}{step_dir_name(step)}-{token}") if self.atomic_rename else final
         entries = {}
         written: list[str] = []
+        manifest_started = False
+        # Stores without rename write into the final directory: remove it again on failure when this
+        # writer created it and it is left empty (never recursively: another writer may be writing there).
+        created = not self.atomic_rename and not self.fs.exists(staging)
         try:
             self.fs.makedirs(staging, exist_ok=True)
             for logical, data in files.items():
                 name = logical if self.atomic_rename else f"{logical.rsplit('.', 1)[0]}.{token}.pt"
+                written.append(f"{staging}/{name}")  # before writing: a failed write can leave a part
                 self._write(f"{staging}/{name}", data)
-                written.append(f"{staging}/{name}")
                 entries[logical] = {
                     "name": name,
                     "size": len(data),
@@ -209,13 +213,18 @@ class CheckpointStore:
             if self.exists(step):
                 self._remove_quietly(written)
                 return None
+            manifest_started = True
             self._write(f"{final}/{MANIFEST}", body)
             return final
         except BaseException:
             if self.atomic_rename:
                 self._remove_tree_quietly(staging)
             else:
+                if manifest_started:  # a manifest cut short would make the step look committed
+                    self._remove_own_manifest(f"{final}/{MANIFEST}", body)
                 self._remove_quietly(written)
+                if created:
+                    self._remove_quietly([staging])  # non-recursive: fails unless empty
             raise
 
     def _write(self, path: str, data: bytes) -> None:
@@ -272,6 +281,12 @@ class CheckpointStore:
     def _remove_quietly(self, paths: list[str]) -> None:
         for path in paths:
             with contextlib.suppress(OSError):
+                self.fs.rm(path)
+
+    def _remove_own_manifest(self, path: str, body: bytes) -> None:
+        """Remove what this writer's failed manifest write left; another writer's manifest differs."""
+        with contextlib.suppress(OSError):
+            if body.startswith(self.fs.cat_file(path)):
                 self.fs.rm(path)
 
     def _remove_tree_quietly(self, path: str) -> None:

@@ -27,7 +27,7 @@ from elastic_qa.data.tokenizer import build_tokenizer
 from elastic_qa.observe.log import get_logger
 
 # Bump when features.py, tokenizer.py or synthetic.py change what they produce.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 @dataclass
@@ -156,6 +156,10 @@ def prepare(cfg: DataConfig) -> PreparedData:
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the first process builds; the others wait here
             if not (final / "meta.json").exists():
+                if final.exists():  # the rename is atomic, so only an outside hand leaves this state
+                    raise DataError(
+                        f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
+                    )
                 _build(cfg, key, final)
     try:
         meta = json.loads((final / "meta.json").read_text())

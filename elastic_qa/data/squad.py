@@ -74,7 +74,13 @@ def _parse_qa(qa: Any, context: str) -> QAExample:
             text, start = (
                 (raw.get("text"), raw.get("answer_start")) if isinstance(raw, dict) else (None, None)
             )
-            if not isinstance(text, str) or not text or isinstance(start, bool) or not isinstance(start, int):
+            # A whitespace-only answer has no token to point at (it crashed the feature builder).
+            if (
+                not isinstance(text, str)
+                or not text.strip()
+                or isinstance(start, bool)
+                or not isinstance(start, int)
+            ):
                 raise ValueError(f"answer needs a non-empty 'text' and an integer 'answer_start': {raw!r}")
             if start < 0 or context[start : start + len(text)] != text:
                 raise ValueError(f"answer {text!r} is not at answer_start={start} of the context")

@@ -80,7 +80,7 @@ class _World:
     def _name(rng: random.Random, low: int, high: int) -> str:
         return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(low, high)))
 
-    def value(self, relation: str, rng: random.Random, person: str) -> str:
+    def value(self, relation: str, rng: random.Random, person: str, target: str) -> str:
         if relation == "lives_in":
             return rng.choice(self.cities)
         if relation == "works_as":
@@ -92,7 +92,9 @@ class _World:
         if relation == "eats":
             return rng.choice(_FOODS)
         if relation == "friend":
-            return rng.choice([p for p in rng.sample(self.people, 3) if p != person])
+            # Never the question's person: "x is friends with <target>" would answer "who is a friend of
+            # <target>?" too (friendship reads both ways), making the label wrong.
+            return rng.choice([p for p in rng.sample(self.people, 3) if p not in (person, target)])
         if relation == "speaks":
             return rng.choice(_LANGUAGES)
         return str(rng.randint(18, 95))
@@ -113,7 +115,8 @@ def _example(world: _World, rng: random.Random, qid: str, unanswerable: bool) ->
         facts += [(person, r) for r in rng.sample(relations, rng.randint(0, 1)) if (person, r) not in facts]
     # Half the time the target's name also appears inside another person's fact, so "the sentence that
     # mentions the name" is not enough either.
-    mention = rng.random() < 0.5 and (others[1], "friend") not in facts
+    # Not when the question asks for a friend: the mention would then be a second correct answer.
+    mention = rng.random() < 0.5 and asked != "friend" and (others[1], "friend") not in facts
     if mention:
         facts.append((others[1], "friend"))
     rng.shuffle(facts)
@@ -123,7 +126,7 @@ def _example(world: _World, rng: random.Random, qid: str, unanswerable: bool) ->
         value = (
             target
             if mention and (person, relation) == (others[1], "friend")
-            else world.value(relation, rng, person)
+            else world.value(relation, rng, person, target)
         )
         template = rng.choice(_RELATIONS[relation][0])
         sentence = template.format(e=person, v=value)

@@ -9,7 +9,7 @@ from typing import TextIO
 
 class Console:
     def __init__(self, mode: str, total_steps: int, enabled: bool, stream: TextIO = sys.stdout) -> None:
-        self.enabled = enabled and mode != "off"
+        self.enabled = enabled and mode != "none"
         self.stream = stream
         self.bar = mode == "progress" or (mode == "auto" and stream.isatty())
         self.total = total_steps

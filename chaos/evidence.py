@@ -1,0 +1,195 @@
+"""What a run left behind, read back: log events, the sample ledger, checkpoints, final parameters.
+
+Every check here works from evidence on disk, never from the runner's memory of what it did, so the same
+functions judge a run made by `python -m chaos run`, by the test suite, or by hand on a cluster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from elastic_qa.checkpoint.manager import Checkpointer
+from elastic_qa.checkpoint.policy import retained_steps
+from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.config import CheckpointConfig, Config, config_from_dict
+from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.observe.ledger import effective_order, read_ledger
+
+
+def load_config(run_dir: Path) -> Config:
+    return config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
+
+
+def load_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every JSON log line of every process, in time order (torn last lines of killed writers skipped)."""
+    rows = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return sorted(rows, key=lambda row: row.get("ts", 0.0))
+
+
+@dataclass
+class LedgerVerdict:
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    steps: int = 0
+    epochs_completed: int = 0
+
+
+def check_ledger(run_dir: Path, cfg: Config, num_samples: int) -> LedgerVerdict:
+    """Effective order (for each step, the highest attempt that ran it) against the planned global order:
+    no step missing, each step's samples are exactly its planned global batch, and so each sample is used
+    exactly once per completed epoch."""
+    order = effective_order(read_ledger(run_dir))
+    problems: list[str] = []
+    max_steps = cfg.train.max_steps
+    missing = [s for s in range(1, max_steps + 1) if s not in order]
+    if missing:
+        problems.append(f"{len(missing)} steps missing from the ledger (first: {missing[:5]})")
+    planned = GlobalCursor(num_samples, cfg.train.global_batch_size, cfg.run.seed).batches(first_step=1)
+    seen_in_epoch: Counter[int] = Counter()
+    epoch, epochs_completed = 0, 0
+    for step in range(1, max_steps + 1):
+        plan = next(planned)
+        if plan.epoch != epoch:
+            if len(seen_in_epoch) == num_samples and max(seen_in_epoch.values()) == 1:
+                epochs_completed += 1
+            seen_in_epoch, epoch = Counter(), plan.epoch
+        entries = order.get(step)
+        if entries is None:
+            continue
+        samples = [index for entry in entries for index in entry["samples"]]
+        seen_in_epoch.update(samples)
+        duplicated = [index for index, count in Counter(samples).items() if count > 1]
+        if duplicated:
+            problems.append(f"step {step}: samples used twice in one step {duplicated[:5]}")
+        if sorted(samples) != sorted(plan.global_indices):
+            problems.append(
+                f"step {step} (attempt {entries[0]['attempt']}): trained on {len(samples)} samples that are "
+                f"not its planned global batch of {plan.global_count}"
+            )
+        if entries[0]["epoch"] != plan.epoch:
+            problems.append(f"step {step}: epoch {entries[0]['epoch']}, planned {plan.epoch}")
+    repeated = [index for index, count in seen_in_epoch.items() if count > 1]
+    if repeated:
+        problems.append(f"epoch {epoch}: {len(repeated)} samples used more than once")
+    return LedgerVerdict(not problems, problems, len(order), epochs_completed)
+
+
+def checkpoint_store(cfg: Config) -> CheckpointStore:
+    return CheckpointStore(cfg.checkpoint_dir)
+
+
+def check_checkpoints(cfg: Config) -> list[str]:
+    """Every committed checkpoint verifies and loads; no more are retained than the policy allows."""
+    store = checkpoint_store(cfg)
+    checkpointer = Checkpointer(CheckpointConfig(), store)
+    problems = []
+    infos = store.list_steps(committed_only=False)
+    for info in infos:
+        try:
+            checkpointer.load_step(info.path, info.step)
+        except Exception as err:  # noqa: BLE001 - any failure to load is a failed check
+            problems.append(f"checkpoint step {info.step}: {err}")
+    steps = [info.step for info in infos]
+    allowed = retained_steps(steps, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps)
+    extra = sorted(set(steps) - allowed)
+    if extra:
+        problems.append(f"{len(steps)} checkpoints retained, the policy allows {len(allowed)}: extra {extra}")
+    return problems
+
+
+def final_parameters(cfg: Config) -> tuple[int, dict[str, torch.Tensor]] | None:
+    loaded = Checkpointer(CheckpointConfig(), checkpoint_store(cfg)).load_newest()
+    return (loaded.step, loaded.model) if loaded else None
+
+
+def parameter_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Relative L2 difference over all parameters (||a-b|| / ||b||), max abs difference, bitwise equality."""
+    if a.keys() != b.keys():
+        return {
+            "bitwise_equal": False,
+            "relative": float("inf"),
+            "max_abs": float("inf"),
+            "error": "different parameter names",
+        }
+    diff_sq = ref_sq = 0.0
+    max_abs = 0.0
+    bitwise = True
+    for name in sorted(a):
+        x, y = a[name].double(), b[name].double()
+        if x.shape != y.shape:
+            return {
+                "bitwise_equal": False,
+                "relative": float("inf"),
+                "max_abs": float("inf"),
+                "error": f"{name}: shape {tuple(x.shape)} vs {tuple(y.shape)}",
+            }
+        bitwise = bitwise and torch.equal(a[name], b[name])
+        delta = x - y
+        diff_sq += float((delta * delta).sum())
+        ref_sq += float((y * y).sum())
+        max_abs = max(max_abs, float(delta.abs().max()) if delta.numel() else 0.0)
+    relative = (diff_sq**0.5) / max(ref_sq**0.5, 1e-30)
+    return {"bitwise_equal": bitwise, "relative": relative, "max_abs": max_abs}
+
+
+def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per attempt: start time, world size, resumed step, first completed step time."""
+    rows: dict[int, dict[str, Any]] = {}
+    for event in events:
+        number = event.get("attempt")
+        if number is None:
+            continue
+        row = rows.setdefault(
+            number,
+            {
+                "attempt": number,
+                "start": event["ts"],
+                "world_size": None,
+                "resumed_step": 0,
+                "first_step_ts": None,
+                "last_step": 0,
+            },
+        )
+        name = event.get("event")
+        if name == "worker_start":
+            row["world_size"] = event["world_size"]
+            row["start"] = min(row["start"], event["ts"])
+        elif name == "resume":
+            row["resumed_step"] = event["step"]
+        elif name == "step":
+            if row["first_step_ts"] is None:
+                row["first_step_ts"] = event["ts"]
+            row["last_step"] = max(row["last_step"], event["step"])
+    return [rows[k] for k in sorted(rows)]
+
+
+def lost_steps(events: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """For each restart: completed steps before it minus the step the next attempt resumed from."""
+    rows = attempts(events)
+    out = []
+    completed = 0
+    for previous, current in itertools.pairwise(rows):
+        completed = max(completed, previous["last_step"], previous["resumed_step"])
+        out.append(
+            {
+                "attempt": current["attempt"],
+                "completed_before": completed,
+                "resumed_step": current["resumed_step"],
+                "lost": max(0, completed - current["resumed_step"]),
+            }
+        )
+    return out

@@ -1,0 +1,182 @@
+"""Drive a training job on this host through the project's own launcher, and reach its processes.
+
+Used by the fault runner and by the integration tests: start a job with N agents, add one, find an
+agent's workers, send signals, and follow the job's progress from its logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "launch" / "local.py"
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (read from /proc, no psutil)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return sorted(found)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Job:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: str = "tiny",
+        overrides: tuple[str, ...] | list[str] = (),
+        agents: int = 2,
+        min_nodes: int = 1,
+        max_nodes: int = 4,
+        python: str = sys.executable,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.overrides = [f"run.dir={self.run_dir}", *overrides]
+        self.agents_at_start = agents
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.python = python
+        self.process: subprocess.Popen | None = None
+        self._log_offsets: dict[Path, int] = {}
+        self._progress = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        (self.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
+        out = open(self.run_dir / "chaos" / "launcher.log", "ab")  # noqa: SIM115 - lives with the job
+        self.process = subprocess.Popen(
+            [
+                self.python,
+                str(LAUNCHER),
+                "start",
+                "--agents",
+                str(self.agents_at_start),
+                "--min",
+                str(self.min_nodes),
+                "--max",
+                str(self.max_nodes),
+                "--config",
+                self.config,
+                *self.overrides,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + 60
+        while not (self.run_dir / "launch.json").exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.process.returncode}: see {out.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("launcher did not start any agent within 60 s")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            raise
+
+    def kill_everything(self) -> None:
+        """Last resort (test teardown): SIGKILL every agent and worker of the job."""
+        for agent in self.agents():
+            for pid in [*children(agent["pid"]), agent["pid"]]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    # ---- processes ----------------------------------------------------------------------------------
+    def agents(self) -> list[dict]:
+        try:
+            job = json.loads((self.run_dir / "launch.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+        for agent in job["agents"]:
+            agent["alive"] = is_alive(agent["pid"])
+        return job["agents"]
+
+    def live_agents(self) -> list[dict]:
+        return [a for a in self.agents() if a["alive"]]
+
+    def workers(self, agent: dict) -> list[int]:
+        return [pid for pid in children(agent["pid"]) if is_alive(pid)]
+
+    def join(self) -> int:
+        result = subprocess.run(
+            [self.python, str(LAUNCHER), "join", "--run-dir", str(self.run_dir)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"join failed: {result.stderr.strip()}")
+        return int(result.stdout.strip().splitlines()[-1])
+
+    # ---- progress -----------------------------------------------------------------------------------
+    def progress(self) -> int:
+        """Highest step any rank has logged as completed (reads only what was appended since last call)."""
+        for path in (self.run_dir / "logs").glob("*.jsonl"):
+            offset = self._log_offsets.get(path, 0)
+            with open(path, "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            cut = chunk.rfind(b"\n") + 1
+            self._log_offsets[path] = offset + cut
+            for line in chunk[:cut].splitlines():
+                if b'"event": "step"' in line or b'"event": "resume"' in line:
+                    try:
+                        self._progress = max(self._progress, int(json.loads(line)["step"]))
+                    except (ValueError, KeyError):
+                        continue
+        return self._progress
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while self.progress() < step:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"job ended (exit {self.process.returncode}) before step {step}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step} not reached within {timeout} s (at {self.progress()})")
+            time.sleep(0.05)
+        return self.progress()
+
+    def wait_for_event(self, event: str, predicate=lambda row: True, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for path in (self.run_dir / "logs").glob("*.jsonl"):
+                for line in path.read_text().splitlines():
+                    if f'"event": "{event}"' in line:
+                        row = json.loads(line)
+                        if predicate(row):
+                            return row
+            time.sleep(0.1)
+        raise TimeoutError(f"no {event} event within {timeout} s")

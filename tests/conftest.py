@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny config in a temporary run directory, with a per-session feature cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_qa.config import Config, load_config, packaged_config
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One feature cache for the whole session (building it is the slow part of tiny runs)."""
+    return tmp_path_factory.mktemp("feature-cache")
+
+
+def tiny_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return [f"run.dir={run_dir}", f"data.cache_dir={cache}", "log.console=none", *extra]
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path, cache_dir: Path):
+    """Factory: the packaged tiny config in tmp_path/run, plus overrides."""
+
+    def make(*overrides: str) -> Config:
+        return load_config(packaged_config("tiny"), tiny_overrides(tmp_path / "run", cache_dir, *overrides))
+
+    return make
