@@ -1,0 +1,40 @@
+"""The README stays true: its first two commands, and a config reference that lists every key."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from elastic_qa.config import Config, _to_plain
+from tests.conftest import REPO
+
+
+def config_keys(obj: object, prefix: str = "") -> dict[str, object]:
+    keys = {}
+    for f in dataclasses.fields(obj):
+        name = f.name.removesuffix("_")
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.update(config_keys(value, f"{prefix}{name}."))
+        else:
+            keys[f"{prefix}{name}"] = _to_plain(value)
+    return keys
+
+
+def test_readme_config_reference_lists_every_key_with_its_default() -> None:
+    readme = (REPO / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", readme, flags=re.MULTILINE))
+    for key, default in config_keys(Config()).items():
+        assert key in rows, f"README config reference misses {key}"
+        expected = (
+            '""' if default == "" else str(default).lower() if isinstance(default, bool) else str(default)
+        )
+        assert rows[key] == expected, f"README says {key} defaults to {rows[key]}, the code says {expected}"
+
+
+def test_readme_starts_with_the_run_and_test_commands_that_ci_uses() -> None:
+    readme = (REPO / "README.md").read_text()
+    first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    assert commands == ["make run", "make test"]
+    assert "make test" in (REPO / ".ci" / "run").read_text()

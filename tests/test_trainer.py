@@ -1,0 +1,112 @@
+"""The training loop as a single process (no torchrun): resume exactness, rotation, stop on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from chaos.evidence import final_parameters, load_events, parameter_difference
+from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.config import load_config, packaged_config
+from elastic_qa.trainer import EXIT_REGROUP, lr_multiplier
+from tests.conftest import tiny_overrides
+
+STEPS = 40
+
+
+def train_command(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    overrides = tiny_overrides(run_dir, cache, f"train.max_steps={STEPS}", "train.threads=1", *extra)
+    return [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides]
+
+
+def train(run_dir: Path, cache: Path, *extra: str, expect: int = 0) -> None:
+    result = subprocess.run(
+        train_command(run_dir, cache, *extra), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == expect, result.stderr[-2000:]
+
+
+def final_params(run_dir: Path, cache: Path) -> dict[str, torch.Tensor]:
+    cfg = load_config(packaged_config("tiny"), tiny_overrides(run_dir, cache))
+    step, params = final_parameters(cfg)
+    assert step == STEPS
+    return params
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    train(run_dir, cache_dir)
+    return final_params(run_dir, cache_dir)
+
+
+def test_killed_run_resumes_to_bitwise_identical_parameters(
+    tmp_path: Path, cache_dir: Path, uninterrupted: dict
+) -> None:
+    # SIGKILL after step 25; the newest periodic checkpoint is step 20, so steps 21-25 are replayed.
+    train(tmp_path, cache_dir, "checkpoint.every_steps=10", "debug.kill_at_step=25", expect=-signal.SIGKILL)
+    train(tmp_path, cache_dir, "checkpoint.every_steps=10")
+    resumes = [e for e in load_events(tmp_path) if e["event"] == "resume"]
+    assert [r["step"] for r in resumes] == [20]
+    assert resumes[0]["cursor"] == 20 * 16
+    diff = parameter_difference(final_params(tmp_path, cache_dir), uninterrupted)
+    assert diff["bitwise_equal"], diff
+
+
+def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
+    tmp_path: Path, cache_dir: Path, uninterrupted: dict
+) -> None:
+    process = subprocess.Popen(
+        train_command(tmp_path, cache_dir, "debug.step_delay=100ms", "log.every_steps=1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not any('"event": "step"' in p.read_text() for p in (tmp_path / "logs").glob("*.jsonl")):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == EXIT_REGROUP, process.stderr.read()[-2000:]
+    events = load_events(tmp_path)
+    last_step = max(e["step"] for e in events if e["event"] == "step")
+    saved = [e for e in events if e["event"] == "checkpoint_committed"]
+    assert [e["reason"] for e in saved] == ["sigterm"] and saved[0]["step"] == last_step  # 0 lost steps
+    train(tmp_path, cache_dir)
+    diff = parameter_difference(final_params(tmp_path, cache_dir), uninterrupted)
+    assert diff["bitwise_equal"], diff
+
+
+def test_timed_rotation_keeps_the_last_three_plus_milestones(tmp_path: Path, cache_dir: Path) -> None:
+    train(
+        tmp_path,
+        cache_dir,
+        "checkpoint.interval=1s",
+        "checkpoint.keep_every_steps=16",
+        "debug.step_delay=150ms",
+        "checkpoint.async=true",
+    )
+    events = load_events(tmp_path)
+    committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    assert len(committed) >= 5  # ~6 s of training with a 1 s timer
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    kept = [info.step for info in store.list_steps(committed_only=False)]
+    milestones = [s for s in committed if s % 16 == 0 and s not in committed[-3:]]
+    assert kept == sorted(set(committed[-3:]) | set(milestones))
+    assert all(store.verify(info.path).ok for info in store.list_steps())
+    assert all(e["blocking_seconds"] <= e["seconds"] for e in events if e["event"] == "checkpoint_committed")
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
+    multiplier = lr_multiplier(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert multiplier(0) == pytest.approx(0.1)
+    assert multiplier(9) == pytest.approx(1.0)
+    assert multiplier(60) == pytest.approx(0.55)
+    assert multiplier(110) == pytest.approx(0.1)
