@@ -92,13 +92,16 @@ def checkpoint_store(cfg: Config) -> CheckpointStore:
     return CheckpointStore(cfg.checkpoint_dir)
 
 
-def check_checkpoints(cfg: Config) -> list[str]:
-    """Every committed checkpoint verifies and loads; no more are retained than the policy allows."""
+def check_checkpoints(cfg: Config, exclude: set[int] = frozenset()) -> list[str]:
+    """Every committed checkpoint verifies and loads (but `exclude`: corrupted on purpose); no more are
+    retained than the policy allows."""
     store = checkpoint_store(cfg)
     checkpointer = Checkpointer(CheckpointConfig(), store)
     problems = []
     infos = store.list_steps(committed_only=False)
     for info in infos:
+        if info.step in exclude:
+            continue
         try:
             checkpointer.load_step(info.path, info.step)
         except Exception as err:  # noqa: BLE001 - any failure to load is a failed check

@@ -63,6 +63,8 @@ class Job:
         self.process: subprocess.Popen | None = None
         self._log_offsets: dict[Path, int] = {}
         self._progress = 0
+        self.attempt = 0  # newest attempt that logged worker_start
+        self.attempt_steps: dict[int, int] = {}  # attempt -> highest step it completed
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,11 +155,26 @@ class Job:
             self._log_offsets[path] = offset + cut
             for line in chunk[:cut].splitlines():
                 if b'"event": "step"' in line or b'"event": "resume"' in line:
-                    try:
-                        self._progress = max(self._progress, int(json.loads(line)["step"]))
-                    except (ValueError, KeyError):
-                        continue
+                    row = json.loads(line)
+                    self._progress = max(self._progress, int(row["step"]))
+                    if row["event"] == "step":
+                        attempt = row.get("attempt", 0)
+                        self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
+                elif b'"event": "worker_start"' in line:
+                    self.attempt = max(self.attempt, json.loads(line).get("attempt", 0))
         return self._progress
+
+    def wait_for_new_attempt(self, after: int, timeout: float = 180) -> bool:
+        """Wait until an attempt newer than `after` has completed a step; False if the job ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.progress()
+            if any(attempt > after for attempt in self.attempt_steps):
+                return True
+            if self.process is not None and self.process.poll() is not None:
+                return False
+            time.sleep(0.05)
+        raise TimeoutError(f"no attempt after {after} trained a step within {timeout} s")
 
     def wait_for_step(self, step: int, timeout: float = 120) -> int:
         deadline = time.monotonic() + timeout

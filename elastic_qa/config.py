@@ -247,6 +247,8 @@ class CheckpointConfig:
     """Fail instead of starting fresh when no valid checkpoint exists."""
     max_consecutive_failures: int = 3
     """Storage errors tolerated in a row before training fails."""
+    emergency_retry_for: timedelta = timedelta(seconds=10)
+    """An emergency save that hits storage errors is retried for this long (the agent SIGKILLs after 30 s)."""
 
     def __post_init__(self) -> None:
         seconds = self.interval.total_seconds()
@@ -254,6 +256,12 @@ class CheckpointConfig:
         _require(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
         _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
         _require(self.keep_every_steps >= 0, "keep_every_steps", self.keep_every_steps, "must be >= 0")
+        _require(
+            self.emergency_retry_for.total_seconds() >= 0,
+            "emergency_retry_for",
+            format_duration(self.emergency_retry_for),
+            "must be >= 0",
+        )
         _require(
             self.max_consecutive_failures >= 0,
             "max_consecutive_failures",
@@ -309,11 +317,15 @@ class DebugConfig:
     sample_ledger: bool = False
     """Append, per rank and step, the dataset indices trained on to <run.dir>/ledger/."""
     kill_at_step: int = 0
-    """Fault injection: SIGKILL this process after completing this step (first attempt only; 0: off)."""
+    """Fault injection: SIGKILL this process after completing this step (once per run; 0: off)."""
     kill_rank: int = 0
     """The rank that kill_at_step applies to."""
     step_delay: timedelta = timedelta(0)
     """Sleep this long after each step (to give chaos tools time on tiny models)."""
+    save_delay: timedelta = timedelta(0)
+    """Sleep this long before each checkpoint file is written (widens the window for kill-during-save)."""
+    storage_fault_file: str = ""
+    """While this file exists, checkpoint writes fail with ENOSPC (the chaos `storage-errors` fault)."""
 
     def __post_init__(self) -> None:
         _require(self.kill_at_step >= 0, "kill_at_step", self.kill_at_step, "must be >= 0")

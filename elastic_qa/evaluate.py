@@ -19,6 +19,7 @@ from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
 from elastic_qa.data.squad import QAExample
 from elastic_qa.metrics import squad_scores
+from elastic_qa.model import span_loss_per_window
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class WindowPrediction:
     null_score: float  # start+end logit of [CLS]: "no answer here"
     start_char: int
     end_char: int
+    loss: float = 0.0  # span loss of this window against its gold start/end
 
 
 def best_spans(
@@ -67,6 +69,9 @@ def predict_windows(
             batch = collate(features, index)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 start, end = model(batch["input_ids"].to(device), batch["segment_ids"].to(device))
+            losses = span_loss_per_window(
+                start, end, batch["start_positions"].to(device), batch["end_positions"].to(device)
+            ).cpu()
             best, s_tok, e_tok, null = (t.cpu() for t in best_spans(start, end, max_answer_len))
             for j, row in enumerate(index):
                 offsets = features.offsets[row]
@@ -77,6 +82,7 @@ def predict_windows(
                         float(null[j]),
                         int(offsets[s_tok[j], 0]),
                         int(offsets[e_tok[j], 1]),
+                        float(losses[j]),
                     )
                 )
     finally:
@@ -107,16 +113,19 @@ def _gather_windows(
 ) -> list[WindowPrediction]:
     """All ranks' window predictions, as plain float64 tensors (no pickles cross the wire)."""
     widest = rank_slice(total, world, 0)[1]  # rank 0's share is the largest
-    rows = torch.full((widest, 5), -1.0, dtype=torch.float64)
-    for i, w in enumerate(mine):
-        rows[i] = torch.tensor([w.example_index, w.score, w.null_score, w.start_char, w.end_char])
+    rows = torch.full((widest, 6), -1.0, dtype=torch.float64)
+    if mine:
+        rows[: len(mine)] = torch.tensor(
+            [[w.example_index, w.score, w.null_score, w.start_char, w.end_char, w.loss] for w in mine],
+            dtype=torch.float64,
+        )
     parts = [torch.empty_like(rows, device=device) for _ in range(world)]
     dist.all_gather(parts, rows.to(device))
     merged = []
     for rank, part in enumerate(parts):
         start, stop = rank_slice(total, world, rank)
         for row in part[: stop - start].cpu().tolist():
-            merged.append(WindowPrediction(int(row[0]), row[1], row[2], int(row[3]), int(row[4])))
+            merged.append(WindowPrediction(int(row[0]), row[1], row[2], int(row[3]), int(row[4]), row[5]))
     return merged
 
 
@@ -129,7 +138,7 @@ def evaluate(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float] | None:
-    """SQuAD EM/F1 on rank 0 (None on other ranks); every rank must call it when distributed."""
+    """SQuAD EM/F1 and the mean window loss on rank 0 (None on other ranks); collective when distributed."""
     distributed = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     start, stop = rank_slice(len(features), world, rank)
@@ -142,4 +151,6 @@ def evaluate(
             return None
     predictions = answers_from_windows(mine, examples)
     golds = {e.id: [a.text for a in e.answers] for e in examples}
-    return squad_scores(predictions, golds)
+    scores = squad_scores(predictions, golds)
+    scores["loss"] = sum(w.loss for w in mine) / max(len(mine), 1)
+    return scores

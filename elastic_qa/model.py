@@ -115,6 +115,17 @@ class SpanQA(nn.Module):
         return logits[..., 0], logits[..., 1]
 
 
+def span_loss_per_window(
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    start_positions: torch.Tensor,
+    end_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Mean of the start and end cross-entropies, per window."""
+    start = F.cross_entropy(start_logits, start_positions, reduction="none")
+    return 0.5 * (start + F.cross_entropy(end_logits, end_positions, reduction="none"))
+
+
 def span_loss(
     start_logits: torch.Tensor,
     end_logits: torch.Tensor,
@@ -122,7 +133,5 @@ def span_loss(
     end_positions: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Weighted *sum* over the batch of the mean start/end cross-entropy (normalise by the caller)."""
-    per_sample = F.cross_entropy(start_logits, start_positions, reduction="none")
-    per_sample = per_sample + F.cross_entropy(end_logits, end_positions, reduction="none")
-    return (per_sample * 0.5 * weights).sum()
+    """Weighted *sum* over the batch of the per-window span loss (the caller normalises)."""
+    return (span_loss_per_window(start_logits, end_logits, start_positions, end_positions) * weights).sum()

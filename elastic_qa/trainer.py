@@ -16,6 +16,7 @@ Exit 75 (a peer is leaving) and 1 make the torchrun agents regroup; neither lose
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -131,7 +132,9 @@ class Trainer:
         self.tokens_seen = 0
         self.store = CheckpointStore(cfg.checkpoint_dir)
         self.fence = Fence(self.store)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.store, may_commit=self.fence.check)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.store, may_commit=self.fence.check, before_file=storage_fault_hook(cfg)
+        )
         self.schedule = SaveSchedule(cfg.checkpoint)
         self.stop_request = StopRequest()
         # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
@@ -397,6 +400,7 @@ class Trainer:
                 step=self.step,
                 em=round(scores["em"], 4),
                 f1=round(scores["f1"], 4),
+                loss=round(scores["loss"], 6),
                 questions=scores["count"],
                 seconds=round(time.perf_counter() - started, 3),
             )
@@ -431,7 +435,9 @@ class Trainer:
             "versions": versions(),
         }
 
-    def save(self, reason: str, blocking: bool = False, gather_rng: bool = True) -> None:
+    def save(
+        self, reason: str, blocking: bool = False, gather_rng: bool = True, ignore_failures: bool = False
+    ) -> None:
         """Checkpoint the last completed step. Collective unless gather_rng is False."""
         rngs = (
             gather_rng_states(self.ctx, self.control_group)
@@ -446,13 +452,21 @@ class Trainer:
             TRAINER_FILE: self._trainer_state(rngs),
         }
         result = self.checkpointer.save(
-            self.step, state, self._manifest_fields(), blocking=blocking, reason=reason
+            self.step,
+            state,
+            self._manifest_fields(),
+            blocking=blocking,
+            reason=reason,
+            ignore_failures=ignore_failures,
         )
         self.timer.add_stall(result.blocking_seconds)
         self.schedule.saved()
 
     def _emergency_save(self, reason: str) -> None:
-        """A collective failed: commit the last completed step from this replica (any survivor may)."""
+        """A collective failed: commit the last completed step from this replica (any survivor may).
+
+        Storage errors are retried for `checkpoint.emergency_retry_for`: this replica may hold the only copy.
+        """
         self.log.error("emergency_checkpoint", step=self.step, reason=reason)
         try:
             self.checkpointer.wait()
@@ -460,8 +474,12 @@ class Trainer:
                 return
             # Survivors all hold the same state; stagger them so that usually only one writes it.
             time.sleep(min(self.ctx.rank, 8) * 0.2)
-            if not self.store.exists(self.step):
-                self.save(reason="emergency", blocking=True, gather_rng=False)
+            deadline = time.monotonic() + self.cfg.checkpoint.emergency_retry_for.total_seconds()
+            while not self.store.exists(self.step):
+                self.save(reason="emergency", blocking=True, gather_rng=False, ignore_failures=True)
+                if self.checkpointer.last_committed_step == self.step or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
         except Exception as err:  # noqa: BLE001 - already failing: report, never mask the cause
             self.log.error(
                 "emergency_checkpoint_failed", step=self.step, error=f"{type(err).__name__}: {err}"
@@ -485,9 +503,23 @@ class Trainer:
             "train_done",
             step=self.step,
             tokens_seen=self.tokens_seen,
-            **({"em": scores["em"], "f1": scores["f1"]} if scores else {}),
+            **({"em": scores["em"], "f1": scores["f1"], "eval_loss": scores["loss"]} if scores else {}),
         )
         return {"stopped": False, "step": self.step, **(scores or {})}
+
+
+def storage_fault_hook(cfg: Config):
+    """Debug fault injection before each checkpoint file write: a delay, and ENOSPC while a flag exists."""
+    delay = cfg.debug.save_delay.total_seconds()
+    flag = Path(cfg.debug.storage_fault_file) if cfg.debug.storage_fault_file else None
+
+    def before_file(name: str) -> None:
+        if delay:
+            time.sleep(delay)
+        if flag is not None and flag.exists():
+            raise OSError(errno.ENOSPC, f"injected storage fault ({flag} exists)", name)
+
+    return before_file
 
 
 def gather_rng_states(ctx: DistContext, group) -> dict[str, Any]:

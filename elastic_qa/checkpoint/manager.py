@@ -46,10 +46,12 @@ class Checkpointer:
         cfg: CheckpointConfig,
         store: CheckpointStore,
         may_commit: Callable[[], None] = lambda: None,
+        before_file: Callable[[str], None] = lambda name: None,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.may_commit = may_commit
+        self.before_file = before_file
         self.log = get_logger()
         self._thread: threading.Thread | None = None
         self._failures = 0
@@ -64,11 +66,17 @@ class Checkpointer:
         manifest_fields: dict[str, Any],
         blocking: bool = False,
         reason: str = "periodic",
+        ignore_failures: bool = False,
     ) -> SaveResult:
-        """Snapshot `state` ({file: state dict}) now and commit it as checkpoint `step`."""
-        self.raise_if_failed()
+        """Snapshot `state` ({file: state dict}) now and commit it as checkpoint `step`.
+
+        `ignore_failures`: save even when earlier failures were fatal (an emergency save is the last chance).
+        """
+        if not ignore_failures:
+            self.raise_if_failed()
         started = time.perf_counter()
         waited = self.wait()
+        self.raise_if_failed()  # the save just waited for may have failed fatally
         if waited > 0.001:
             self.log.warning("checkpoint_wait", step=step, seconds=round(waited, 4))
         snapshot = cpu_copy(state)
@@ -117,7 +125,7 @@ class Checkpointer:
         try:
             check_safe(snapshot, "checkpoint")
             files = {name: serialize(snapshot[name]) for name in STATE_FILES}
-            path = self.store.commit(step, files, manifest_fields, self.may_commit)
+            path = self.store.commit(step, files, manifest_fields, self.may_commit, self.before_file)
             if path is None:
                 self.log.info("checkpoint_exists", step=step, reason=reason)
                 return

@@ -169,10 +169,12 @@ class CheckpointStore:
         files: Mapping[str, bytes],
         manifest_fields: Mapping[str, Any],
         may_commit: Callable[[], None] = lambda: None,
+        before_file: Callable[[str], None] = lambda name: None,
     ) -> str | None:
         """Write `files` as checkpoint `step`; return its path, or None if another writer committed it.
 
         `may_commit` is called just before the checkpoint becomes visible and raises to refuse (fencing).
+        `before_file` is called before each file is written (fault injection: delays, storage errors).
         On any error the partial write is removed and the error propagates; nothing else is touched.
         """
         final = self.path(step_dir_name(step))
@@ -191,6 +193,7 @@ class CheckpointStore:
             for logical, data in files.items():
                 name = logical if self.atomic_rename else f"{logical.rsplit('.', 1)[0]}.{token}.pt"
                 written.append(f"{staging}/{name}")  # before writing: a failed write can leave a part
+                before_file(name)
                 self._write(f"{staging}/{name}", data)
                 entries[logical] = {
                     "name": name,
@@ -214,7 +217,12 @@ class CheckpointStore:
                 self._remove_quietly(written)
                 return None
             manifest_started = True
-            self._write(f"{final}/{MANIFEST}", body)
+            try:
+                self._create(f"{final}/{MANIFEST}", body)
+            except FileExistsError:  # another writer committed between the check above and this write
+                manifest_started = False
+                self._remove_quietly(written)
+                return None
             return final
         except BaseException:
             if self.atomic_rename:
@@ -236,6 +244,15 @@ class CheckpointStore:
         else:
             self.fs.pipe_file(path, data)
 
+    def _create(self, path: str, data: bytes) -> None:
+        """Write a file that must not exist yet (FileExistsError): atomically where the store can."""
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except TypeError:  # fsspec before 2024.12: pipe_file has no mode; check, then write
+            if self.fs.exists(path):
+                raise FileExistsError(path) from None
+            self.fs.pipe_file(path, data)
+
     def _publish_by_rename(self, staging: str, final: str) -> str | None:
         try:
             os.rename(staging, final)
@@ -255,7 +272,16 @@ class CheckpointStore:
 
     # ---- removing -----------------------------------------------------------------------------------
     def remove(self, path: str) -> None:
-        """Delete a checkpoint: its manifest first, so a half-deleted directory is never 'committed'."""
+        """Delete a checkpoint: its manifest first, so a half-deleted directory is never 'committed'.
+
+        Local storage first renames the directory aside, in one atomic act: a crash mid-delete then leaves
+        a temporary directory (removed by clean_staging), never a step directory without a manifest.
+        """
+        if self.atomic_rename:
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            aside = self.path(f"{_TMP_PREFIX}{name}-deleted-{uuid.uuid4().hex[:8]}")
+            os.rename(path, aside)
+            path = aside
         manifest = f"{path}/{MANIFEST}"
         if self.fs.exists(manifest):
             self.fs.rm(manifest)

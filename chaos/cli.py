@@ -1,0 +1,140 @@
+"""`python -m chaos`: break a training job on purpose, then prove from evidence that nothing was lost.
+
+    python -m chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
+                        (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
+                        [--mean-interval 10s] [-- key=value ...]
+    python -m chaos verify DIR [--reference REF_DIR]
+    python -m chaos schedule --seed S --faults N [--agents ...]    # print a random schedule
+
+Fault kinds: kill-worker, kill-node, term-node, join-node, freeze-worker, kill-during-save,
+corrupt-checkpoint, storage-errors. The verdict prints a table (one row per fault: kind, step, lost steps,
+recovery seconds, verdict) and writes <DIR>/chaos/report.json and report.html. Exit 0 only when every
+check holds; 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from chaos.schedule import KINDS, parse_fault, random_schedule, validate
+from elastic_qa.config import ConfigError, parse_duration
+
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+def _schedule(args: argparse.Namespace):
+    if args.fault:
+        faults = [parse_fault(text) for text in args.fault]
+        validate(faults, args.agents, args.min, args.max)
+        return faults
+    if args.faults:
+        kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"--kinds: unknown fault kinds {sorted(unknown)}")
+        return random_schedule(
+            args.seed,
+            args.faults,
+            parse_duration(args.mean_interval).total_seconds(),
+            args.agents,
+            args.min,
+            args.max,
+            kinds,
+            first_at_s=parse_duration(args.first_at).total_seconds(),
+        )
+    return []
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from chaos.runner import reference_run, run_schedule
+    from chaos.verify import format_table, verify_run, write_report
+    from elastic_qa.train import resolve_config
+
+    run_dir = Path(args.run_dir)
+    overrides = [*args.overrides, f"run.dir={run_dir}"]
+    resolve_config(args.config, overrides)  # bad config: exit 2 before anything starts
+    if (run_dir / "launch.json").exists():
+        print(f"chaos: {run_dir} already holds a job; use a new --run-dir", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    schedule = _schedule(args)
+    print("schedule: " + " ".join(f.describe() for f in schedule), flush=True)
+    reference = None
+    if not args.no_reference:
+        cache_root = Path(args.reference_cache).expanduser()
+        reference = reference_run(args.config, args.overrides, args.agents, cache_root, args.timeout)
+    code = run_schedule(
+        run_dir, args.config, overrides, schedule, args.agents, args.min, args.max, args.seed, args.timeout
+    )
+    print(f"job ended with exit code {code}", flush=True)
+    verdict = verify_run(run_dir, reference)
+    json_path, page = write_report(run_dir, verdict, reference)
+    print(format_table(verdict))
+    print(f"report: {json_path}  picture: {page}")
+    return 0 if verdict.ok else EXIT_FAILED
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from chaos.verify import format_table, verify_run, write_report
+
+    reference = Path(args.reference) if args.reference else None
+    verdict = verify_run(Path(args.run_dir), reference)
+    json_path, page = write_report(Path(args.run_dir), verdict, reference)
+    print(format_table(verdict))
+    print(f"report: {json_path}  picture: {page}")
+    return 0 if verdict.ok else EXIT_FAILED
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    for fault in _schedule(args):
+        print(fault.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "schedule"):
+        p = sub.add_parser(name, help="run a job with faults" if name == "run" else "print a schedule")
+        if name == "run":
+            p.add_argument("--run-dir", required=True, help="a new directory for the job")
+            p.add_argument("--config", default="tiny", help="config file or packaged name (default tiny)")
+            p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is killed")
+            p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
+            p.add_argument(
+                "--reference-cache",
+                default="~/.cache/elastic_qa/chaos-reference",
+                help="where reference runs are kept, keyed by config",
+            )
+            p.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
+        p.add_argument("--agents", type=int, default=2, help="agents at the start (default 2)")
+        p.add_argument("--min", type=int, default=1, help="fewest agents (default 1)")
+        p.add_argument("--max", type=int, default=4, help="most agents (default 4)")
+        p.add_argument("--fault", action="append", default=[], help=f"KIND@step=N or KIND@time=20s; {KINDS}")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random schedule and target choices")
+        p.add_argument("--faults", type=int, default=0, help="random schedule: number of faults")
+        p.add_argument("--mean-interval", default="10s", help="random schedule: mean time between faults")
+        p.add_argument("--first-at", default="5s", help="random schedule: time of the first fault")
+        p.add_argument("--kinds", default="", help="random schedule: comma-separated kinds (default all)")
+    p = sub.add_parser("verify", help="verify a finished run from its evidence")
+    p.add_argument("run_dir")
+    p.add_argument("--reference", help="run dir of the fault-free reference run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "verify":
+            return cmd_verify(args)
+        if not 1 <= args.min <= args.agents <= args.max:
+            raise ValueError(
+                f"need 1 <= --min ({args.min}) <= --agents ({args.agents}) <= --max ({args.max})"
+            )
+        return cmd_run(args) if args.command == "run" else cmd_schedule(args)
+    except (ValueError, ConfigError) as err:
+        print(f"chaos: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
