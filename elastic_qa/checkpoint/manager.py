@@ -76,7 +76,8 @@ class Checkpointer:
             self.raise_if_failed()
         started = time.perf_counter()
         waited = self.wait()
-        self.raise_if_failed()  # the save just waited for may have failed fatally
+        if not ignore_failures:
+            self.raise_if_failed()  # the save just waited for may have failed fatally
         if waited > 0.001:
             self.log.warning("checkpoint_wait", step=step, seconds=round(waited, 4))
         snapshot = cpu_copy(state)

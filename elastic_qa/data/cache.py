@@ -49,6 +49,8 @@ def _settings(cfg: DataConfig) -> dict:
         "max_seq_len": cfg.max_seq_len,
         "max_query_len": cfg.max_query_len,
         "doc_stride": cfg.doc_stride,
+        # A cache built while skipping malformed records must not silence a strict run's error.
+        "skip_malformed": cfg.skip_malformed if cfg.source != "synthetic" else None,
     }
 
 

@@ -1,0 +1,166 @@
+"""Span decoding and per-question answers over windows, single-process evaluation end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from elastic_qa.data.features import Features, build_features
+from elastic_qa.data.squad import read_squad
+from elastic_qa.data.tokenizer import PAD, WordTokenizer
+from elastic_qa.evaluate import WindowPrediction, answers_from_windows, best_spans, evaluate, predict_windows
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def brute_force(start: torch.Tensor, end: torch.Tensor, max_answer_len: int) -> tuple[float, int, int]:
+    best = (float("-inf"), -1, -1)
+    for s in range(1, len(start)):
+        for e in range(s, min(len(start), s + max_answer_len)):
+            score = float(start[s] + end[e])
+            if score > best[0]:
+                best = (score, s, e)
+    return best
+
+
+@pytest.mark.parametrize("max_answer_len", [1, 3, 30])
+def test_best_spans_finds_the_best_allowed_span(max_answer_len):
+    generator = torch.Generator().manual_seed(max_answer_len)
+    start, end = torch.randn(16, 12, generator=generator), torch.randn(16, 12, generator=generator)
+    best, s_tok, e_tok, null = best_spans(start, end, max_answer_len)
+    for row in range(16):
+        score, s, e = brute_force(start[row], end[row], max_answer_len)
+        assert (int(s_tok[row]), int(e_tok[row])) == (s, e)
+        assert float(best[row]) == pytest.approx(score)
+        assert 0 < s_tok[row] <= e_tok[row] < s_tok[row] + max_answer_len
+    torch.testing.assert_close(null, start[:, 0] + end[:, 0])
+
+
+def test_best_spans_never_picks_cls_even_when_it_scores_highest():
+    start, end = torch.zeros(1, 6), torch.zeros(1, 6)
+    start[0, 0] = end[0, 0] = 100.0
+    start[0, 4], end[0, 2] = 5.0, 5.0  # end before start: not a span
+    best, s_tok, e_tok, null = best_spans(start, end, 4)
+    assert int(s_tok[0]) > 0 and int(e_tok[0]) > 0
+    assert int(s_tok[0]) <= int(e_tok[0])
+    assert float(null[0]) == 200.0
+    assert float(best[0]) == 5.0
+
+
+def test_best_spans_respects_the_longest_answer():
+    start, end = torch.zeros(1, 10), torch.zeros(1, 10)
+    start[0, 1], end[0, 9] = 10.0, 10.0  # a 9-token span
+    end[0, 3] = 4.0
+    _, s_tok, e_tok, _ = best_spans(start, end, 3)
+    assert (int(s_tok[0]), int(e_tok[0])) == (1, 3)
+    _, s_tok, e_tok, _ = best_spans(start, end, 9)
+    assert (int(s_tok[0]), int(e_tok[0])) == (1, 9)
+
+
+class _Example:
+    def __init__(self, qid: str, context: str) -> None:
+        self.id, self.context = qid, context
+
+
+def test_answers_from_windows_picks_the_best_span_across_windows():
+    examples = [_Example("a", "zero one two three four five")]
+    windows = [
+        WindowPrediction(0, score=3.0, null_score=1.0, start_char=5, end_char=8),  # "one"
+        WindowPrediction(0, score=7.0, null_score=2.0, start_char=9, end_char=18),  # "two three"
+        WindowPrediction(0, score=5.0, null_score=0.5, start_char=19, end_char=23),  # "four"
+    ]
+    assert answers_from_windows(windows, examples) == {"a": "two three"}
+
+
+def test_answers_from_windows_returns_empty_when_the_null_score_wins():
+    examples = [_Example("a", "zero one two"), _Example("b", "zero one two")]
+    windows = [
+        WindowPrediction(0, score=3.0, null_score=4.0, start_char=5, end_char=8),
+        WindowPrediction(1, score=3.0, null_score=2.0, start_char=5, end_char=8),
+    ]
+    assert answers_from_windows(windows, examples) == {"a": "", "b": "one"}
+
+
+def test_the_null_score_of_a_question_is_its_lowest_over_windows():
+    # a window that holds the answer has a low null score; other windows say "not here" loudly
+    examples = [_Example("a", "zero one two")]
+    windows = [
+        WindowPrediction(0, score=-5.0, null_score=9.0, start_char=0, end_char=4),
+        WindowPrediction(0, score=6.0, null_score=1.0, start_char=5, end_char=8),
+    ]
+    assert answers_from_windows(windows, examples) == {"a": "one"}
+
+
+def test_a_question_without_any_window_gets_no_answer():
+    assert answers_from_windows([], [_Example("a", "text")]) == {"a": ""}
+
+
+def test_spans_outside_the_context_are_ignored():
+    examples = [_Example("a", "zero one two")]
+    windows = [
+        WindowPrediction(0, score=9.0, null_score=1.0, start_char=-1, end_char=-1),
+        WindowPrediction(0, score=2.0, null_score=1.0, start_char=0, end_char=4),
+    ]
+    assert answers_from_windows(windows, examples) == {"a": "zero"}
+
+
+class OracleModel(nn.Module):
+    """Scores each window's labelled target highest: [CLS] where the answer is elsewhere or absent."""
+
+    def __init__(self, features: Features) -> None:
+        super().__init__()
+        self.targets = {}
+        for row in range(len(features)):
+            ids = features.input_ids[row]
+            key = tuple(int(i) for i in ids[ids != PAD])
+            self.targets[key] = (int(features.start_positions[row]), int(features.end_positions[row]))
+
+    def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor):
+        start = torch.zeros(input_ids.shape, dtype=torch.float32)
+        end = torch.zeros(input_ids.shape, dtype=torch.float32)
+        for row, ids in enumerate(input_ids):
+            s, e = self.targets[tuple(int(i) for i in ids[ids != PAD])]
+            start[row, s], end[row, e] = 10.0, 10.0
+        return start, end
+
+
+@pytest.mark.parametrize("fixture", ["squad-v2-handwritten.json", "squad-v2-dev-sample.json"])
+def test_evaluate_scores_an_oracle_model_perfectly_across_windows(fixture):
+    examples, _ = read_squad(str(FIXTURES / fixture))
+    features = build_features(examples, WordTokenizer(4096), 48, 16, 12)  # many windows per context
+    assert len(features) > len(examples)
+    scores = evaluate(OracleModel(features), features, examples, 7, 30, torch.device("cpu"))
+    assert (scores["em"], scores["f1"], scores["count"]) == (1.0, 1.0, len(examples))
+
+
+def test_predict_windows_maps_token_spans_to_characters_and_restores_training_mode():
+    examples, _ = read_squad(str(FIXTURES / "squad-v2-handwritten.json"))
+    features = build_features(examples, WordTokenizer(4096), 64, 16, 8)
+    model = OracleModel(features).train()
+    windows = predict_windows(model, features, range(len(features)), 3, 30, torch.device("cpu"))
+    assert model.training
+    assert len(windows) == len(features)
+    for row, window in enumerate(windows):
+        assert window.example_index == int(features.example_index[row])
+        if features.start_positions[row] > 0:
+            answer = examples[window.example_index].answers[0]
+            assert (window.start_char, window.end_char) == (answer.start, answer.start + len(answer.text))
+            assert window.score > window.null_score
+        else:
+            assert window.null_score > window.score
+
+
+def test_evaluate_of_a_subset_of_rows_is_not_double_counted():
+    examples, _ = read_squad(str(FIXTURES / "squad-v2-dev-sample.json"))
+    features = build_features(examples, WordTokenizer(4096), 64, 16, 8)
+    windows = predict_windows(
+        OracleModel(features), features, range(len(features)), 64, 30, torch.device("cpu")
+    )
+    assert (
+        np.bincount([w.example_index for w in windows]).tolist()
+        == np.bincount(features.example_index).tolist()
+    )
