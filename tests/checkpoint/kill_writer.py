@@ -1,0 +1,84 @@
+"""A checkpoint writer for test_kill_during_save.py, run as `python -m tests.checkpoint.kill_writer DIR LOGS`.
+
+Importing torch takes a second or two, far longer than one save, so this process is a zygote: it imports
+everything once, then forks one writer per "fork" line read on stdin, prints the writer's pid, waits for
+it to die (the test SIGKILLs it) and prints "dead". Each writer does what a restarted trainer does: clean
+the staging directories left behind, resume from the newest valid checkpoint, then save step after step
+(synchronously, keep_last=3), appending each step it saw committed to DIR/../committed.txt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from elastic_qa.checkpoint.manager import Checkpointer
+from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
+from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.config import CheckpointConfig
+from elastic_qa.observe.log import configure_logging
+
+MODEL_FLOATS = 512 * 1024  # 2 MiB
+OPTIMIZER_FLOATS = 256 * 1024  # 1 MiB
+LIFETIME_S = 20.0  # a writer nobody kills stops by itself
+
+
+def state_for(step: int) -> dict:
+    generator = torch.Generator().manual_seed(step)
+    return {
+        MODEL_FILE: {"w": torch.randn(MODEL_FLOATS, generator=generator)},
+        OPTIMIZER_FILE: {
+            "state": {0: {"exp_avg": torch.randn(OPTIMIZER_FLOATS, generator=generator), "step": step}},
+            "param_groups": [{"lr": 0.001, "params": [0]}],
+        },
+        TRAINER_FILE: {"trainer": {"step": step, "epoch": 0, "world_size": 1}, "versions": versions()},
+    }
+
+
+def writer(directory: str, progress: str, logs: str) -> None:
+    configure_logging(logs, "info")
+    store = CheckpointStore(directory)
+    ckpt = Checkpointer(CheckpointConfig(async_=False, keep_last=3), store)
+    store.clean_staging(older_than_s=0)
+    loaded = ckpt.load_newest()
+    step = loaded.step if loaded is not None else 0
+    if loaded is not None:
+        assert torch.equal(loaded.model["w"], state_for(step)[MODEL_FILE]["w"])
+    deadline = time.monotonic() + LIFETIME_S
+    fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    while time.monotonic() < deadline:
+        step += 1
+        ckpt.save(step, state_for(step), {"epoch": 0, "world_size": 1, "versions": versions()})
+        ckpt.raise_if_failed()
+        if ckpt.last_committed_step == step:
+            os.write(fd, f"{step}\n".encode())
+
+
+def main() -> None:
+    directory, logs = sys.argv[1], sys.argv[2]
+    progress = os.path.join(os.path.dirname(directory.rstrip("/")), "committed.txt")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "fork":
+            break
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                writer(directory, progress, logs)
+            except BaseException:  # noqa: BLE001 (reported to the test, which fails on it)
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"dead {status}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""When a periodic save is due, and which checkpoints the rotation keeps."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from elastic_qa.checkpoint.policy import SaveSchedule, retained_steps
+from elastic_qa.config import CheckpointConfig
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_save_falls_due_once_the_interval_has_passed_since_the_last_one() -> None:
+    clock = FakeClock()
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(minutes=10)), clock=clock)
+
+    assert not schedule.due(1)
+    clock.advance(599)
+    assert not schedule.due(2)
+    clock.advance(1)
+    assert schedule.due(3)
+
+
+def test_saving_restarts_the_interval() -> None:
+    clock = FakeClock()
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(seconds=30)), clock=clock)
+    clock.advance(45)
+    assert schedule.due(5)
+
+    schedule.saved()
+
+    assert not schedule.due(6)
+    clock.advance(29.9)
+    assert not schedule.due(7)
+    clock.advance(0.1)
+    assert schedule.due(8)
+
+
+def test_every_steps_makes_each_multiple_due_whatever_the_clock_says() -> None:
+    clock = FakeClock()
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(hours=1), every_steps=50), clock=clock)
+
+    assert [step for step in range(1, 201) if schedule.due(step)] == [50, 100, 150, 200]
+
+
+def test_every_steps_zero_leaves_only_the_timer() -> None:
+    clock = FakeClock()
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(hours=1), every_steps=0), clock=clock)
+
+    assert not any(schedule.due(step) for step in range(0, 1000))
+    clock.advance(3600)
+    assert schedule.due(1001)
+
+
+def test_the_clock_starts_when_the_schedule_is_created() -> None:
+    clock = FakeClock(now=50_000.0)
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(seconds=10)), clock=clock)
+    assert not schedule.due(1)
+    clock.advance(10)
+    assert schedule.due(2)
+
+
+@pytest.mark.parametrize(
+    ("steps", "keep_last", "keep_every", "expected"),
+    [
+        ([10, 20, 30, 40, 50, 60], 3, 0, {40, 50, 60}),
+        ([60, 10, 50, 20, 40, 30], 3, 0, {40, 50, 60}),  # order of listing does not matter
+        ([10, 20], 3, 0, {10, 20}),
+        ([], 3, 0, set()),
+        ([7], 1, 0, {7}),
+        ([10, 20, 30, 40, 50, 60], 1, 0, {60}),
+        ([10, 20, 30, 40, 50, 60], 2, 20, {20, 40, 50, 60}),
+        ([100, 150, 200, 250, 300, 350], 2, 100, {100, 200, 300, 350}),
+        ([5, 15, 25], 1, 10, {25}),  # no multiples: milestones add nothing
+    ],
+)
+def test_retained_steps_keeps_the_newest_and_the_milestones(steps, keep_last, keep_every, expected) -> None:
+    assert retained_steps(steps, keep_last, keep_every) == expected

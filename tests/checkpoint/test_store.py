@@ -1,0 +1,363 @@
+"""CheckpointStore: the commit protocol, the manifest, verification and removal, on local disk and memory://."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_dir_name
+from tests.checkpoint.faulty_fs import faults
+from tests.checkpoint.helpers import (
+    TouchOnUnpickle,
+    age,
+    crafted_plain_pickle,
+    crafted_tensor_file,
+    entries,
+    file_path,
+    flip_byte,
+    garble_manifest,
+    manifest_fields,
+    remove_file,
+    remove_manifest,
+    small_files,
+    snapshot,
+    truncate,
+)
+
+FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+
+
+def test_a_committed_checkpoint_is_listed_verified_and_loaded(store: CheckpointStore) -> None:
+    files = small_files(420)
+    path = store.commit(420, files, manifest_fields())
+
+    assert path == store.path("step-00000420")
+    assert [(info.step, info.path, info.committed) for info in store.list_steps()] == [(420, path, True)]
+    assert store.exists(420) and not store.exists(419)
+    verdict = store.verify(path)
+    assert verdict.ok, verdict.reason
+    model = store.load_file(path, verdict.manifest, MODEL_FILE)
+    expected = torch.load(io.BytesIO(files[MODEL_FILE]), weights_only=True)
+    assert torch.equal(model["w"], expected["w"])
+
+
+def test_checkpoints_are_listed_oldest_first_and_temporary_dirs_never(store: CheckpointStore) -> None:
+    for step in (30, 10, 20):
+        store.commit(step, small_files(step), manifest_fields())
+    store.fs.makedirs(store.path(".tmp-step-00000040-deadbeef"), exist_ok=True)
+    store.fs.pipe_file(store.path(".tmp-step-00000040-deadbeef", "model.pt"), b"partial")
+
+    assert [info.step for info in store.list_steps()] == [10, 20, 30]
+
+
+def test_the_manifest_records_each_files_size_and_sha256_and_the_run(store: CheckpointStore) -> None:
+    files = small_files(420)
+    path = store.commit(420, files, manifest_fields(epoch=3, world_size=4))
+    manifest = store.read_manifest(path)
+
+    assert manifest["step"] == 420
+    assert manifest["epoch"] == 3
+    assert manifest["world_size"] == 4
+    assert manifest["config_hash"] == "c0ffee" * 10
+    assert set(manifest["versions"]) == {"elastic_qa", "torch", "python"}
+    assert manifest["created"].endswith("Z") and manifest["created_ts"] > 0
+    assert set(manifest["files"]) == set(FILES)
+    for logical, data in files.items():
+        entry = manifest["files"][logical]
+        stored = store.fs.cat_file(f"{path}/{entry['name']}")
+        assert stored == data
+        assert entry["size"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_a_local_checkpoint_holds_exactly_the_three_tensor_files_and_the_manifest(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.commit(420, small_files(420), manifest_fields())
+
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-00000420"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step-00000420")) == sorted([*FILES, MANIFEST])
+
+
+def test_a_second_commit_of_the_same_step_returns_none_and_leaves_the_first_byte_identical(
+    store: CheckpointStore,
+) -> None:
+    path = store.commit(7, small_files(7), manifest_fields())
+    before = snapshot(store, path)
+    root_before = entries(store)
+
+    assert store.commit(7, small_files(1234), manifest_fields(epoch=9)) is None
+
+    assert snapshot(store, path) == before
+    assert entries(store) == root_before  # no leftover temporary directory either
+    assert store.verify(path).ok
+
+
+def test_a_writer_that_loses_the_race_discards_its_copy_and_never_touches_the_winner(
+    store: CheckpointStore,
+) -> None:
+    """Writer A has written its files when writer B commits the same step; A must then back off."""
+    winner: dict[str, bytes] = {}
+
+    def other_writer_commits_first() -> None:
+        path = store.commit(7, small_files(1), manifest_fields())
+        referenced = {f"{path}/{MANIFEST}"} | {
+            f"{path}/{entry['name']}" for entry in store.read_manifest(path)["files"].values()
+        }
+        winner.update({name: data for name, data in snapshot(store, path).items() if name in referenced})
+
+    assert store.commit(7, small_files(2), manifest_fields(), may_commit=other_writer_commits_first) is None
+
+    path = store.path(step_dir_name(7))
+    assert snapshot(store, path) == winner
+    assert store.verify(path).ok
+    assert entries(store) == ["step-00000007"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda s: truncate(s, file_path(s, 5, MODEL_FILE)), ["model.pt", "size"]),
+        (lambda s: flip_byte(s, file_path(s, 5, OPTIMIZER_FILE)), ["optimizer.pt", "sha256"]),
+        (lambda s: remove_manifest(s, 5), ["manifest.json", "missing"]),
+        (lambda s: garble_manifest(s, 5), ["manifest.json", "unreadable"]),
+        (lambda s: remove_file(s, 5, TRAINER_FILE), ["trainer.pt", "missing"]),
+    ],
+    ids=["truncated-file", "flipped-byte", "missing-manifest", "garbage-manifest", "missing-file"],
+)
+def test_verification_names_the_damaged_file_and_what_is_wrong(
+    store: CheckpointStore, damage, expected: list[str]
+) -> None:
+    path = store.commit(5, small_files(5), manifest_fields())
+    damage(store)
+
+    verdict = store.verify(path)
+
+    assert not verdict.ok
+    for word in expected:
+        assert word in verdict.reason
+
+
+def test_a_manifest_that_is_json_but_not_a_manifest_is_unreadable(store: CheckpointStore) -> None:
+    path = store.commit(5, small_files(5), manifest_fields())
+    store.fs.pipe_file(f"{path}/{MANIFEST}", b"[1, 2, 3]")
+
+    verdict = store.verify(path)
+
+    assert not verdict.ok and "manifest.json unreadable" in verdict.reason
+
+
+def test_the_crafted_payload_really_runs_code_when_unpickled_unsafely(tmp_path) -> None:
+    """Guards the next test: its payload must be live, or refusing it would prove nothing."""
+    marker = tmp_path / "pwned"
+    pickle.loads(pickle.dumps(TouchOnUnpickle(str(marker))))
+    assert marker.exists()
+    marker.unlink()
+    torch.load(io.BytesIO(crafted_tensor_file(str(marker))), weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("crafted", [crafted_tensor_file, crafted_plain_pickle], ids=["zip", "legacy"])
+def test_a_tensor_file_that_would_run_code_is_refused_even_with_a_correct_sha256(
+    store: CheckpointStore, tmp_path, crafted
+) -> None:
+    from elastic_qa.checkpoint.manager import Checkpointer
+    from elastic_qa.config import CheckpointConfig
+
+    marker = tmp_path / "pwned"
+    files = {**small_files(3), MODEL_FILE: crafted(str(marker))}
+    path = store.commit(3, files, manifest_fields())
+    verdict = store.verify(path)
+    assert verdict.ok  # the sha256 matches: only weights_only loading stands in the way
+
+    with pytest.raises(CheckpointError, match=r"model\.pt"):
+        store.load_file(path, verdict.manifest, MODEL_FILE)
+    with pytest.raises(CheckpointError):
+        Checkpointer(CheckpointConfig(), store).load_step(path, 3)
+
+    assert not marker.exists()
+
+
+def test_load_file_refuses_a_file_changed_after_verification(store: CheckpointStore) -> None:
+    path = store.commit(3, small_files(3), manifest_fields())
+    verdict = store.verify(path)
+    flip_byte(store, file_path(store, 3, MODEL_FILE))
+
+    with pytest.raises(CheckpointError, match="changed"):
+        store.load_file(path, verdict.manifest, MODEL_FILE)
+
+
+def test_remove_deletes_the_manifest_before_anything_else(faulty_store: CheckpointStore) -> None:
+    path = faulty_store.commit(3, small_files(3), manifest_fields())
+    faults.removes.clear()
+
+    faulty_store.remove(path)
+
+    assert faults.removes[0] == f"{path}/{MANIFEST}"
+    assert faulty_store.list_steps(committed_only=False) == []
+
+
+def test_a_half_done_remove_leaves_a_directory_that_is_no_checkpoint(faulty_store: CheckpointStore) -> None:
+    keep = faulty_store.commit(2, small_files(2), manifest_fields())
+    path = faulty_store.commit(3, small_files(3), manifest_fields())
+    faults.fail_removes(after=1, match="step-00000003")  # the manifest goes, the directory does not
+
+    with pytest.raises(PermissionError):
+        faulty_store.remove(path)
+
+    assert [info.step for info in faulty_store.list_steps()] == [2]
+    assert not faulty_store.verify(path).ok
+    assert faulty_store.verify(keep).ok
+
+
+def test_clean_staging_removes_only_old_temporary_directories(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    committed = store.commit(1, small_files(1), manifest_fields())
+    old = tmp_path / "ckpt" / ".tmp-step-00000002-aaaaaaaa"
+    young = tmp_path / "ckpt" / ".tmp-step-00000003-bbbbbbbb"
+    for directory in (old, young):
+        directory.mkdir()
+        (directory / "model.pt").write_bytes(b"partial")
+    age(str(old), 3600)
+    age(committed, 3600)
+
+    removed = store.clean_staging(older_than_s=60)
+
+    assert removed == [str(old)]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [young.name, "step-00000001"]
+    assert store.verify(committed).ok
+
+
+def test_clean_staging_does_nothing_on_stores_without_rename() -> None:
+    store = CheckpointStore("memory://ckpt-staging")
+    store.commit(1, small_files(1), manifest_fields())
+
+    assert store.clean_staging(older_than_s=0) == []
+    assert [info.step for info in store.list_steps()] == [1]
+
+
+def test_a_refused_commit_leaves_nothing_behind(store: CheckpointStore) -> None:
+    class Refused(RuntimeError):
+        pass
+
+    def refuse() -> None:
+        raise Refused("fenced")
+
+    with pytest.raises(Refused):
+        store.commit(9, small_files(9), manifest_fields(), may_commit=refuse)
+
+    assert entries(store) == []
+    assert store.list_steps(committed_only=False) == []
+
+
+def test_a_refused_commit_leaves_older_checkpoints_untouched(store: CheckpointStore) -> None:
+    path = store.commit(8, small_files(8), manifest_fields())
+    before = snapshot(store, path)
+
+    def refuse() -> None:
+        raise RuntimeError("fenced")
+
+    with pytest.raises(RuntimeError):
+        store.commit(9, small_files(9), manifest_fields(), may_commit=refuse)
+
+    assert entries(store) == ["step-00000008"]
+    assert snapshot(store, path) == before
+
+
+@pytest.mark.parametrize("failing_write", [1, 2, 4], ids=["first-file", "second-file", "manifest"])
+def test_a_storage_error_mid_commit_leaves_nothing_behind(
+    faulty_store: CheckpointStore, failing_write
+) -> None:
+    older = faulty_store.commit(1, small_files(1), manifest_fields())
+    before = snapshot(faulty_store, older)
+    faults.fail_writes(after=failing_write - 1, count=1, partial=True)
+
+    with pytest.raises(OSError):
+        faulty_store.commit(2, small_files(2), manifest_fields())
+
+    assert entries(faulty_store) == ["step-00000001"]
+    assert faulty_store.list_steps(committed_only=False)[-1].step == 1
+    assert snapshot(faulty_store, older) == before
+    faults.heal()
+    retried = faulty_store.commit(2, small_files(2), manifest_fields())  # the step is not blocked
+    assert retried is not None and faulty_store.verify(retried).ok
+
+
+@pytest.mark.parametrize("failing_write", [1, 2, 4], ids=["first-file", "second-file", "manifest"])
+def test_a_local_storage_error_mid_commit_removes_the_staging_directory(
+    tmp_path, monkeypatch, failing_write
+) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    older = store.commit(1, small_files(1), manifest_fields())
+    before = snapshot(store, older)
+    real_write = store._write
+    calls = []
+
+    def write(path: str, data: bytes) -> None:
+        calls.append(path)
+        if len(calls) == failing_write:
+            real_write(path, data[:10])  # the disk filled up mid-file
+            raise OSError(28, "No space left on device", path)
+        real_write(path, data)
+
+    monkeypatch.setattr(store, "_write", write)
+
+    with pytest.raises(OSError):
+        store.commit(2, small_files(2), manifest_fields())
+
+    assert entries(store) == ["step-00000001"]
+    assert snapshot(store, older) == before
+
+
+def test_only_one_of_two_writers_racing_for_the_manifest_commits(
+    faulty_store: CheckpointStore,
+) -> None:
+    """Stores without rename: writer B commits between writer A's last check and A's manifest write."""
+    results: dict[str, str | None] = {}
+
+    def other_writer_slips_in(path: str) -> None:
+        if path.endswith(MANIFEST) and "B" not in results:
+            results["B"] = "running"
+            results["B"] = faulty_store.commit(7, small_files(1), manifest_fields())
+
+    faults.before_write = other_writer_slips_in
+    results["A"] = faulty_store.commit(7, small_files(2), manifest_fields())
+    faults.before_write = None
+
+    path = faulty_store.path(step_dir_name(7))
+    assert results["B"] == path
+    assert results["A"] is None  # A lost: it must not replace B's manifest
+    verdict = faulty_store.verify(path)
+    assert verdict.ok
+    model = faulty_store.load_file(path, verdict.manifest, MODEL_FILE)
+    assert torch.equal(model["w"], torch.load(io.BytesIO(small_files(1)[MODEL_FILE]), weights_only=True)["w"])
+    referenced = {f"{path}/{e['name']}" for e in verdict.manifest["files"].values()} | {f"{path}/{MANIFEST}"}
+    assert set(snapshot(faulty_store, path)) == referenced  # A's files are gone
+
+
+def test_a_local_delete_that_fails_midway_leaves_no_step_directory_behind(tmp_path, monkeypatch) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    keep = store.commit(2, small_files(2), manifest_fields())
+    path = store.commit(3, small_files(3), manifest_fields())
+    real_rm = store.fs.rm
+
+    def rm(target, recursive=False, **kwargs):
+        if recursive:  # the manifest went; the rest fails (or the process dies here)
+            raise OSError(5, "Input/output error", target)
+        return real_rm(target, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(store.fs, "rm", rm)
+    with pytest.raises(OSError):
+        store.remove(path)
+    monkeypatch.undo()
+
+    assert [info.step for info in store.list_steps(committed_only=False)] == [2]
+    assert not os.path.exists(path)
+    assert store.verify(keep).ok
+    store.clean_staging(older_than_s=0)  # what a restarted job does first
+    assert entries(store) == ["step-00000002"]
