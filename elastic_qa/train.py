@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 from elastic_qa.checkpoint.store import CheckpointError
@@ -71,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
-        if ctx.is_main:
-            write_resolved_config(cfg)
         trainer = Trainer(cfg, ctx, data)
         attempt = trainer.register_attempt()
         log.info(
@@ -86,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             config_hash=cfg.digest(),
         )
         trainer.restore()
+        if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
+            write_resolved_config(cfg)
         result = trainer.train()
         if result["stopped"]:
             return EXIT_REGROUP
@@ -103,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("checkpoint_fatal", error=str(err))
         print(f"elastic-qa: {err}", file=sys.stderr)
         return 1
+    except Exception as err:
+        # Logged so that a launcher can tell a crash loop (the same error every attempt) from bad luck.
+        log.error(
+            "worker_crash",
+            error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
+            traceback=traceback.format_exc(limit=8),
+        )
+        raise
     finally:
         watchdog.stop()
         shutdown()

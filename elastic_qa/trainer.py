@@ -44,7 +44,7 @@ from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import build_train_loader
-from elastic_qa.dist import DistContext, unwrap, wrap_model
+from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
 from elastic_qa.elastic.fencing import Fence
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.evaluate import evaluate
@@ -115,7 +115,8 @@ class Trainer:
         self.device = ctx.device
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = SpanQA(data.vocab_size, cfg.model).to(self.device)
-        self.model = wrap_model(model, ctx, cfg.dist)
+        self.comm_timer = CommTimer()
+        self.model = wrap_model(model, ctx, cfg.dist, self.comm_timer)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -141,7 +142,7 @@ class Trainer:
         self.control_group = None
         if ctx.distributed:
             self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
-        self.timer = StepTimer(self.device, cfg.log.breakdown_every)
+        self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         self.attempt = 0
@@ -201,7 +202,10 @@ class Trainer:
             self.optimizer.load_state_dict(loaded.optimizer)
             self.cursor.load_state_dict(state["data"])
         except (RuntimeError, ValueError, KeyError) as err:
-            raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {err}") from None
+            # load_state_dict lists every mismatch; the first two say enough on one line.
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)
+            raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {detail}") from None
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -344,7 +348,9 @@ class Trainer:
         self.timer.mark("checkpoint")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
             self.run_eval()
-        self.timer.finish_step(self.ctx, self.log, self.console if self.ctx.is_main else None)
+        self.timer.finish_step(
+            self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
+        )
         self._debug_hooks(step)
 
     def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
+from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
 from elastic_qa.train import resolve_config
 
 # Rendezvous settings (the README explains the trade-offs):
@@ -39,6 +40,7 @@ from elastic_qa.train import resolve_config
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=600"
 MONITOR_INTERVAL = 0.5
 MAX_RESTARTS = 100
+CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
 EXIT_BAD_INPUT = 2
 
 
@@ -204,15 +206,38 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, stop_all)
     signal.signal(signal.SIGTERM, stop_all)
+    crash = {}
+    watcher = threading.Thread(target=watch_for_crash_loop, args=(run_dir, started, crash), daemon=True)
+    watcher.start()
     codes = {index: process.wait() for index, process in enumerate(started)}
     # Agents added later by `join` are not our children: wait for them too.
     while any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes):
         time.sleep(0.5)
     log_action(run_dir, "job_end", exit_codes=codes)
+    if crash:
+        print(f"elastic-qa: the job stopped: every attempt fails with: {crash['error']}", file=sys.stderr)
+        return EXIT_BAD_INPUT if crash.get("bad_input") else 1
     print_result(run_dir)
     # Agents of a c10d job finish together: one success means the job completed. Agents killed or
     # stopped on the way (exit codes != 0) do not make a completed job a failure.
     return 0 if 0 in codes.values() else 1
+
+
+def watch_for_crash_loop(run_dir: Path, started: list[subprocess.Popen], crash: dict) -> None:
+    """Stop the job when its attempts keep failing the same way without training (see CrashLoopDetector)."""
+    follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
+    while any(process.poll() is None for process in started):
+        detector.feed(follower.new_events())
+        verdict = detector.verdict()
+        if verdict:
+            error, bad_input = verdict
+            crash.update(error=error, bad_input=bad_input)
+            log_action(run_dir, "crash_loop", error=error, attempts=CRASH_LOOP_ATTEMPTS)
+            for agent in read_job(run_dir)["agents"]:
+                if alive(agent["pid"]):
+                    os.kill(agent["pid"], signal.SIGTERM)
+            return
+        time.sleep(1.0)
 
 
 def print_result(run_dir: Path) -> None:

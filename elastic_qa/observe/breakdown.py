@@ -1,44 +1,58 @@
-"""Where a step's time goes: data wait, forward+backward, optimizer, checkpoint stall, the rest.
+"""Where a step's time goes, per rank, and a one-line diagnosis in the seed article's terms.
 
-Phases are wall-clock marks taken by the training loop. On CUDA the marks synchronise the device, which
-costs overlap, so they are only taken on steps that will be reported (every `log.breakdown_every`).
+Every `log.breakdown_every` steps each rank logs `step_breakdown`: data wait, forward+backward,
+communication (gradient all-reduce, from the timing DDP comm hook), optimizer, checkpoint stall, the rest,
+and peak memory. The ranks' figures are gathered (one small all-gather on the CPU control group) and rank 0
+prints a diagnosis when a share crosses a threshold: data wait > 10% (data-bound), communication > 20%
+(communication-bound), or one rank busier than the median by > 20% in two windows running (straggler).
+
+Phases are wall-clock marks. On CUDA a mark synchronises the device, which costs overlap, so there they are
+taken on the reporting step only; on CPU they cost nothing and every step is timed.
 """
 
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from elastic_qa.dist import CommTimer
 
 PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
+DATA_BOUND, COMM_BOUND, STRAGGLER = 0.10, 0.20, 0.20
 
 
 class StepTimer:
-    def __init__(self, device: torch.device, breakdown_every: int) -> None:
+    def __init__(self, device: torch.device, breakdown_every: int, comm: CommTimer | None = None) -> None:
         self.device = device
         self.every = breakdown_every
+        self.comm = comm or CommTimer()
         self.totals: dict[str, float] = defaultdict(float)
         self.steps_in_window = 0
         self.window_started = time.perf_counter()
         self.rate_window: list[float] = []  # end times of the recent steps
-        self._last = self._step_start = time.perf_counter()
+        self._last = time.perf_counter()
         self._detailed = False
         self._stall = 0.0
+        self._suspects: dict[int, int] = {}
+        self._last_findings: set[str] = set()
         self.step = 0
 
     def start_step(self, step: int) -> None:
         self.step = step
-        self._detailed = self.device.type != "cuda" or (self.every and step % self.every == 0)
-        self._last = self._step_start = time.perf_counter()
+        self._detailed = self.device.type != "cuda" or bool(self.every and step % self.every == 0)
+        self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         if not self._detailed:
             return
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # a sync point: only on reported steps
         now = time.perf_counter()
         self.totals[phase] += now - self._last
         self._last = now
@@ -53,32 +67,87 @@ class StepTimer:
         steps = len(self.rate_window) - 1
         return steps * global_count / max(self.rate_window[-1] - self.rate_window[0], 1e-9)
 
-    def finish_step(self, ctx: Any, log: Any, console: Any) -> None:
+    def finish_step(self, ctx: Any, group: Any, log: Any, console: Any) -> None:
+        """Close the step; on a reporting step, log this rank's breakdown and (rank 0) the diagnosis."""
         now = time.perf_counter()
         self.steps_in_window += 1
-        self.rate_window.append(now)
-        self.rate_window = self.rate_window[-21:]
+        self.rate_window = [*self.rate_window[-20:], now]
         if not self.every or self.step % self.every:
             return
+        steps = self.steps_in_window
         window = now - self.window_started
-        measured = sum(self.totals.values())
-        shares = {phase: self.totals.get(phase, 0.0) for phase in PHASES}
-        fields = {f"{phase}_s": round(seconds / self.steps_in_window, 6) for phase, seconds in shares.items()}
+        per_step = {phase: self.totals.get(phase, 0.0) / steps for phase in PHASES}
+        if self.device.type == "cuda":  # only the reported step was timed
+            per_step = {phase: self.totals.get(phase, 0.0) for phase in PHASES}
+        comm = self.comm.take() / steps
+        step_s = window / steps
+        figures = {
+            "step_s": step_s,
+            "data_s": per_step["data"],
+            "forward_backward_s": per_step["forward_backward"],
+            "comm_s": comm,
+            "optimizer_s": per_step["optimizer"],
+            "checkpoint_stall_s": self._stall / steps,
+            "other_s": max(0.0, step_s - sum(per_step.values())),
+        }
         log.info(
             "step_breakdown",
             step=self.step,
-            steps=self.steps_in_window,
-            step_s=round(window / self.steps_in_window, 6),
-            other_s=round(max(0.0, window - measured) / self.steps_in_window, 6),
-            checkpoint_stall_s=round(self._stall, 6),
-            data_share=round(shares["data"] / window, 4) if window else 0.0,
+            steps=steps,
+            **{key: round(value, 6) for key, value in figures.items()},
+            data_share=round(figures["data_s"] / step_s, 4),
+            comm_share=round(comm / step_s, 4),
             peak_memory_mb=round(peak_memory_mb(self.device), 1),
-            **fields,
         )
+        self._diagnose(ctx, group, figures, log, console)
         self.totals.clear()
         self.steps_in_window = 0
         self._stall = 0.0
         self.window_started = now
+
+    def _diagnose(self, ctx: Any, group: Any, figures: dict[str, float], log: Any, console: Any) -> None:
+        # busy: time this rank spent on its own work, not waiting for its peers inside the all-reduce
+        busy = figures["data_s"] + figures["forward_backward_s"] + figures["optimizer_s"] - figures["comm_s"]
+        mine = torch.tensor(
+            [figures["step_s"], figures["data_s"], figures["comm_s"], max(busy, 0.0)], dtype=torch.float64
+        )
+        rows = [mine]
+        if ctx.distributed:
+            rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+            dist.all_gather(rows, mine, group=group)
+        if not ctx.is_main:
+            return
+        step_s = statistics.median(float(r[0]) for r in rows)
+        data_share = max(float(r[1]) for r in rows) / step_s
+        comm_share = statistics.median(float(r[2]) for r in rows) / step_s
+        busy = [float(r[3]) for r in rows]
+        findings = []
+        if data_share > DATA_BOUND:
+            findings.append(
+                f"data-bound: data wait {data_share:.0%} of step time: raise data.num_workers / "
+                "check the feature cache"
+            )
+        if comm_share > COMM_BOUND:
+            findings.append(
+                f"communication-bound: all-reduce {comm_share:.0%} of step time: larger per-rank "
+                "batch, gradient accumulation (micro_batch_size), dist.comm_hook=bf16"
+            )
+        if len(busy) >= 2:
+            median = statistics.median(busy)
+            slow = {rank for rank, b in enumerate(busy) if median > 0 and b > (1 + STRAGGLER) * median}
+            self._suspects = {rank: self._suspects.get(rank, 0) + 1 for rank in slow}
+            for rank, windows in self._suspects.items():
+                if windows >= 2:
+                    findings.append(
+                        f"straggler: rank {rank} busy {busy[rank] / median - 1:.0%} longer than the "
+                        "median rank"
+                    )
+        for finding in findings:
+            log.warning("diagnosis", step=self.step, finding=finding)
+            kind = finding.split(":")[0]
+            if console is not None and kind not in self._last_findings:  # the console hears of it once
+                console.line(f"diagnosis step {self.step}: {finding}")
+        self._last_findings = {finding.split(":")[0] for finding in findings}
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -156,3 +156,15 @@ def test_sigterm_of_an_agent_saves_and_the_rest_continue(
     assert world_sizes(result["events"])[:2] == [2, 1]
     commits = [e for e in result["events"] if e["event"] == "checkpoint_committed"]
     assert any(e["reason"] == "sigterm" for e in commits)
+
+
+def test_a_checkpoint_that_does_not_fit_stops_the_job_with_exit_2(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, cache_dir, "train.max_steps=5")
+    assert finish(job) == 0
+    config_before = (run_dir / "config.yaml").read_text()
+    job = run_job(run_dir, cache_dir, "train.max_steps=10", "model.d_model=64")  # the model changed shape
+    assert finish(job, timeout=120) == 2  # not 100 restarts: the crash loop is seen and the job stopped
+    assert "does not fit this run" in (run_dir / "chaos" / "launcher.log").read_text()
+    assert (run_dir / "config.yaml").read_text() == config_before  # the good run's config is kept
+    assert (run_dir / "checkpoints" / "step-00000005" / "manifest.json").exists()

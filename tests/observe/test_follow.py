@@ -1,0 +1,40 @@
+"""Following logs as they grow, and telling a crash loop from bad luck."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+
+
+def test_follower_returns_only_new_complete_lines(tmp_path: Path) -> None:
+    log = tmp_path / "rank-000.pid-1.jsonl"
+    log.write_text(json.dumps({"event": "a"}) + "\n" + '{"event": "b"')  # the second line is half-written
+    follower = LogFollower(tmp_path)
+    assert [e["event"] for e in follower.new_events()] == ["a"]
+    with open(log, "a") as handle:
+        handle.write("}\n" + json.dumps({"event": "c"}) + "\n")
+    assert [e["event"] for e in follower.new_events()] == ["b", "c"]
+    assert follower.new_events() == []
+
+
+def crash(attempt: int, error: str = "ValueError: boom", kind: str = "worker_crash") -> dict:
+    return {"event": kind, "attempt": attempt, "error": error}
+
+
+def test_the_same_error_in_three_attempts_without_training_is_a_crash_loop() -> None:
+    detector = CrashLoopDetector(attempts=3)
+    detector.feed([crash(1), crash(2)])
+    assert detector.verdict() is None
+    detector.feed([crash(3, kind="bad_input")])
+    assert detector.verdict() == ("ValueError: boom", True)
+
+
+def test_training_in_between_or_different_errors_is_not_a_crash_loop() -> None:
+    trained = CrashLoopDetector(attempts=3)
+    trained.feed([crash(1), crash(2), {"event": "step", "attempt": 2, "step": 5}, crash(3)])
+    assert trained.verdict() is None
+    different = CrashLoopDetector(attempts=3)
+    different.feed([crash(1), crash(2, "RuntimeError: peer"), crash(3)])
+    assert different.verdict() is None
