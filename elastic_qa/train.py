@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_main and "em" in result:
             print(f"final: step {result['step']}  EM {result['em']:.4f}  F1 {result['f1']:.4f}", flush=True)
         return 0
-    except (DataError, ResumeError) as err:
+    except (DataError, ResumeError, ConfigError) as err:
         log.error("bad_input", error=str(err))
         print(f"elastic-qa: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -53,6 +53,7 @@ from elastic_qa.observe.breakdown import StepTimer
 from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger, update_identity
+from elastic_qa.observe.tensorboard import TensorBoardScalars
 
 EXIT_REGROUP = 75  # a peer is leaving (SIGTERM): this worker saved and wants the agents to regroup
 
@@ -145,6 +146,7 @@ class Trainer:
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
+        self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
         self.attempt = 0
 
     # ---- start-up -----------------------------------------------------------------------------------
@@ -359,13 +361,14 @@ class Trainer:
         if self.ctx.distributed:
             dist.all_reduce(totals, group=self.control_group)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
+        local_loss = (local[0] / local[1].clamp(min=1)).item()
         rate = self.timer.samples_per_s(batch["global_count"])
         self.log.info(
             "step",
             step=self.step,
             epoch=batch["epoch"],
             loss=round(loss, 6),
-            rank_loss=round((local[0] / local[1].clamp(min=1)).item(), 6),
+            rank_loss=round(local_loss, 6),
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=round(float(stats["grad_norm"]), 6),
             samples_per_s=round(rate, 2),
@@ -373,6 +376,14 @@ class Trainer:
             cursor=self.cursor.samples_consumed,
         )
         self.console.progress(self.step, loss, rate)
+        if self.scalars:
+            self.scalars.add(
+                self.step,
+                loss=local_loss,
+                grad_norm=float(stats["grad_norm"]),
+                lr=self.scheduler.get_last_lr()[0],
+                samples_per_s=rate,
+            )
 
     def _debug_hooks(self, step: int) -> None:
         debug = self.cfg.debug
@@ -411,6 +422,10 @@ class Trainer:
                 seconds=round(time.perf_counter() - started, 3),
             )
             self.console.line(f"eval step {self.step}: EM {scores['em']:.3f}  F1 {scores['f1']:.3f}")
+            if self.scalars:
+                self.scalars.add(
+                    self.step, eval_em=scores["em"], eval_f1=scores["f1"], eval_loss=scores["loss"]
+                )
         return scores
 
     def _trainer_state(self, rngs: dict[str, Any]) -> dict[str, Any]:
@@ -503,6 +518,8 @@ class Trainer:
         if self.step > 0 and self.resumed_step != self.step:
             self.save(reason="final", blocking=True)
         self.checkpointer.close()
+        if self.scalars:
+            self.scalars.close()
         if self.ctx.distributed:
             dist.barrier(group=self.control_group)
         self.log.info(

@@ -30,6 +30,7 @@ from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.train import resolve_config
 
 # Rendezvous settings (the README explains the trade-offs):
@@ -156,8 +157,10 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
         print(f"elastic-qa: config error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
     try:
+        if cfg.log.tensorboard:
+            TensorBoardScalars.check_installed()
         prepare(cfg.data)
-    except DataError as err:
+    except (DataError, ConfigError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
     return cfg
