@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from chaos.evidence import (
     lost_steps,
     parameter_difference,
 )
-from chaos.job import Job
+from chaos.job import Job, is_alive
 from elastic_qa.data.cache import prepare
 
 pytestmark = pytest.mark.integration
@@ -168,3 +169,21 @@ def test_a_checkpoint_that_does_not_fit_stops_the_job_with_exit_2(tmp_path: Path
     assert "does not fit this run" in (run_dir / "chaos" / "launcher.log").read_text()
     assert (run_dir / "config.yaml").read_text() == config_before  # the good run's config is kept
     assert (run_dir / "checkpoints" / "step-00000005" / "manifest.json").exists()
+
+
+def test_a_worker_whose_agent_died_stops_within_two_seconds(
+    tmp_path: Path, cache_dir: Path, reference: dict
+) -> None:
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", agents=2)
+    job.wait_for_step(10)
+    victim = next(a for a in job.live_agents() if not a["is_host"])
+    (orphan,) = job.workers(victim)
+    os.kill(victim["pid"], signal.SIGKILL)  # the agent alone: its worker is orphaned
+    killed = time.monotonic()
+    while is_alive(orphan) and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    assert time.monotonic() - killed <= 2.0
+    assert finish(job) == 0
+    result = assert_nothing_lost(run_dir, reference, max_lost=1)
+    assert any(e["event"] == "agent_lost" for e in result["events"])
