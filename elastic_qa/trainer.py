@@ -40,7 +40,7 @@ from elastic_qa.checkpoint.state import (
     versions,
 )
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
-from elastic_qa.config import Config
+from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import build_train_loader
@@ -125,7 +125,7 @@ class Trainer:
         )
         precision = cfg.train.precision
         if precision == "fp16" and self.device.type != "cuda":
-            raise ValueError("train.precision=fp16 needs CUDA (use bf16 on CPU)")
+            raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); on CPU use train.precision=bf16")
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.cursor = GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed)

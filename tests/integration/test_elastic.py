@@ -6,6 +6,7 @@ steps lost per restart (from the `resume` events), and the final parameters agai
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -105,6 +106,17 @@ def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Pa
     assert "EM" in (tmp_path / "run" / "chaos" / "launcher.log").read_text()
 
 
+def test_bf16_autocast_and_bf16_gradient_compression_train_under_torchrun(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    job = run_job(
+        tmp_path / "run", cache_dir, "train.max_steps=10", "train.precision=bf16", "dist.comm_hook=bf16"
+    )
+    assert finish(job) == 0
+    steps = [e for e in load_events(tmp_path / "run") if e["event"] == "step"]
+    assert steps and all(math.isfinite(e["loss"]) for e in steps)
+
+
 def test_kill_worker_resumes_from_emergency_checkpoint_and_sees_each_sample_once(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
@@ -121,7 +133,8 @@ def test_node_loss_with_three_agents_regroups_at_two(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
     run_dir = tmp_path / "run"
-    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", agents=3)
+    # Loader workers prefetch ahead: the checkpointed cursor must still be the last completed step's.
+    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", "data.num_workers=1", agents=3)
     job.wait_for_step(15)
     victim = next(a for a in job.live_agents() if not a["is_host"])
     workers = job.workers(victim)
