@@ -7,7 +7,6 @@ functions judge a run made by `python -m chaos run`, by the test suite, or by ha
 from __future__ import annotations
 
 import itertools
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +20,14 @@ from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import effective_order, read_ledger
+
+load_events = read_events  # every log line of a run, in time order
 
 
 def load_config(run_dir: Path) -> Config:
     return config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
-
-
-def load_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every JSON log line of every process, in time order (torn last lines of killed writers skipped)."""
-    rows = []
-    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return sorted(rows, key=lambda row: row.get("ts", 0.0))
 
 
 @dataclass

@@ -24,9 +24,9 @@ from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from elastic_qa.data.cache import prepare
-from elastic_qa.data.features import build_features
+from elastic_qa.data.features import features_for
 from elastic_qa.data.squad import DataError, QAExample, read_squad
-from elastic_qa.data.tokenizer import build_tokenizer
+from elastic_qa.data.tokenizer import tokenizer_for
 from elastic_qa.evaluate import answers_from_windows, evaluate, predict_windows
 from elastic_qa.model import SpanQA
 from elastic_qa.observe.log import configure_logging
@@ -59,8 +59,7 @@ def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> tup
         cfg = config_from_dict(loaded.trainer["config"])
     except (ConfigError, KeyError, TypeError) as err:
         raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
-    model = SpanQA(tokenizer.vocab_size, cfg.model)
+    model = SpanQA(tokenizer_for(cfg.data).vocab_size, cfg.model)
     try:
         model.load_state_dict(loaded.model)
     except RuntimeError as err:
@@ -94,10 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, cfg = model_from_checkpoint(loaded, device)
     if args.data:
         examples, _ = read_squad(args.data, cfg.data.skip_malformed)
-        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
-        features = build_features(
-            examples, tokenizer, cfg.data.max_seq_len, cfg.data.max_query_len, cfg.data.doc_stride
-        )
+        features = features_for(examples, cfg.data)
     else:
         data = prepare(cfg.data)
         if data.eval is None:
@@ -115,11 +111,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     device = _device()
     loaded = load_checkpoint(args.checkpoint)
     model, cfg = model_from_checkpoint(loaded, device)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase)
     example = QAExample("ask", args.question, args.context, ())
-    features = build_features(
-        [example], tokenizer, cfg.data.max_seq_len, cfg.data.max_query_len, cfg.data.doc_stride
-    )
+    features = features_for([example], cfg.data)
     windows = predict_windows(model, features, range(len(features)), 64, cfg.data.max_answer_len, device)
     answer = answers_from_windows(windows, [example])["ask"]
     print(answer if answer else "(no answer in the context)")
@@ -160,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # before argparse, which would take `bench --help` for itself
+        from elastic_qa.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":

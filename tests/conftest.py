@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,20 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [f"run.dir={run_dir}", f"data.cache_dir={cache}", "log.console=none", *extra]
+
+
+def train_tiny(run_dir: Path, cache: Path, *extra: str, timeout: float = 120) -> None:
+    """One single-process training run of the tiny config (no torchrun), failing loudly."""
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_qa.train",
+        "--config",
+        "tiny",
+        *tiny_overrides(run_dir, cache, *extra),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture

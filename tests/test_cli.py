@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, tiny_overrides
+from tests.conftest import FIXTURES, train_tiny
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -20,13 +20,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    overrides = tiny_overrides(run_dir, cache_dir, "train.max_steps=30", "checkpoint.every_steps=10")
-    subprocess.run(
-        [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    train_tiny(run_dir, cache_dir, "train.max_steps=30", "checkpoint.every_steps=10")
     return run_dir
 
 

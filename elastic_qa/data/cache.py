@@ -23,7 +23,7 @@ from elastic_qa.config import DataConfig
 from elastic_qa.data import synthetic
 from elastic_qa.data.features import Features, build_features
 from elastic_qa.data.squad import Answer, DataError, QAExample, decode_json, parse_squad, read_bytes
-from elastic_qa.data.tokenizer import build_tokenizer
+from elastic_qa.data.tokenizer import tokenizer_for
 from elastic_qa.observe.log import get_logger
 
 # Bump when features.py, tokenizer.py or synthetic.py change what they produce.
@@ -120,7 +120,7 @@ def _examples_from_json(rows: list[dict]) -> list[QAExample]:
 def _build(cfg: DataConfig, key: str, final: Path) -> None:
     started = time.perf_counter()
     identity, splits = _load_sources(cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.vocab_size, cfg.lowercase)
+    tokenizer = tokenizer_for(cfg)
     staging = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic_qa.config import DataConfig
 from elastic_qa.data.squad import QAExample
-from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer
+from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
 
 
 @dataclass
@@ -37,6 +38,11 @@ def _answer_tokens(spans: list[tuple[int, int]], start_char: int, end_char: int)
     first = next(i for i, (s, e) in enumerate(spans) if e > start_char)
     last = max(i for i, (s, e) in enumerate(spans) if s < end_char)
     return first, max(first, last)
+
+
+def features_for(examples: list[QAExample], cfg: DataConfig) -> Features:
+    """Windows of `examples` with the tokenizer and window sizes of a data config."""
+    return build_features(examples, tokenizer_for(cfg), cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
 
 
 def build_features(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from elastic_qa.config import DataConfig
 
 PAD, CLS, SEP, UNK = 0, 1, 2, 3
 NUM_SPECIAL = 4
@@ -70,6 +73,11 @@ class ByteTokenizer:
                 ids.append(NUM_SPECIAL + byte)
                 spans.append((index, index + 1))
         return ids, spans
+
+
+def tokenizer_for(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer a data config describes."""
+    return build_tokenizer(cfg.tokenizer, cfg.vocab_size, cfg.lowercase)
 
 
 def build_tokenizer(kind: str, vocab_size: int, lowercase: bool) -> Tokenizer:

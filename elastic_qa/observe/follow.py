@@ -7,6 +7,12 @@ from pathlib import Path
 from typing import Any
 
 
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every JSON log line of a run, in time order (the torn last line of a killed writer is skipped)."""
+    follower = LogFollower(Path(run_dir) / "logs")
+    return sorted(follower.new_events(), key=lambda row: row.get("ts", 0.0))
+
+
 class LogFollower:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)

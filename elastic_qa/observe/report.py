@@ -8,25 +8,15 @@ samples/s, world size over time with restarts, checkpoint commits and fault mark
 from __future__ import annotations
 
 import html
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.observe.follow import read_events
+
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 Series = tuple[str, list[tuple[float, float]], str]  # label, points, colour
-
-
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return sorted(rows, key=lambda row: row.get("ts", 0.0))
 
 
 def _scale(values: Sequence[float], low: float, high: float) -> tuple[float, float]:

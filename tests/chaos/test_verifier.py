@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from chaos.evidence import load_config
 from chaos.verify import judge_faults, verify_run
 from elastic_qa.checkpoint.state import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
-from tests.conftest import tiny_overrides
+from tests.conftest import train_tiny
 
 STEPS = 30
 
@@ -24,7 +22,7 @@ STEPS = 30
 def finished_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     """A real, fault-free single-process run with a ledger: the evidence the tests then doctor."""
     run_dir = tmp_path_factory.mktemp("verified") / "run"
-    overrides = tiny_overrides(
+    train_tiny(
         run_dir,
         cache_dir,
         f"train.max_steps={STEPS}",
@@ -32,12 +30,6 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> P
         "log.every_steps=1",
         "checkpoint.every_steps=10",
         "train.threads=1",
-    )
-    subprocess.run(
-        [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides],
-        check=True,
-        capture_output=True,
-        timeout=120,
     )
     return run_dir
 

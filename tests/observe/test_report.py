@@ -6,17 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import tiny_overrides
+from tests.conftest import train_tiny
 
 
 def test_report_renders_a_run_into_one_self_contained_page(tmp_path: Path, cache_dir: Path) -> None:
-    overrides = tiny_overrides(tmp_path, cache_dir, "train.max_steps=20", "train.eval_every=10")
-    subprocess.run(
-        [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    train_tiny(tmp_path, cache_dir, "train.max_steps=20", "train.eval_every=10")
     result = subprocess.run(
         [sys.executable, "-m", "elastic_qa.cli", "report", str(tmp_path)],
         capture_output=True,

@@ -6,19 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, train_tiny
 
 
 def test_tensorboard_scalars_are_written_per_rank(tmp_path: Path, cache_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    overrides = tiny_overrides(tmp_path, cache_dir, "log.tensorboard=true", "train.max_steps=10")
-    subprocess.run(
-        [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    train_tiny(tmp_path, cache_dir, "log.tensorboard=true", "train.max_steps=10")
     events = EventAccumulator(str(tmp_path / "tensorboard" / "rank-0"))
     events.Reload()
     assert {"loss", "grad_norm", "lr", "eval_em"} <= set(events.Tags()["scalars"])
