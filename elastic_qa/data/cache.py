@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 from elastic_qa.config import DataConfig
@@ -74,13 +75,44 @@ def _load_sources(cfg: DataConfig) -> tuple[dict, dict[str, list[QAExample]]]:
     return identity, splits
 
 
+def content_hash(url: str, root: Path) -> str:
+    """sha256 of a file's bytes, remembered per (url, the filesystem's ukey: size+mtime, or an ETag).
+
+    Every worker (re)start asks for the cache key; without this index a restart would read the whole
+    input again, from S3 if that is where it lives, just to find the cache it already has.
+    """
+    index_path = root / "content-hashes.json"
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        ukey = f"{url}|{fs.ukey(path)}"
+    except FileNotFoundError:
+        raise DataError(f"{url}: file not found") from None
+    except (OSError, ValueError, ImportError, NotImplementedError):
+        ukey = None
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if ukey is not None and ukey in index:
+        return index[ukey]
+    digest = hashlib.sha256(read_bytes(url)).hexdigest()
+    if ukey is not None:
+        index[ukey] = digest
+        staging = index_path.with_name(f"{index_path.name}.{os.getpid()}")
+        staging.write_text(json.dumps(index))
+        os.replace(staging, index_path)
+    return digest
+
+
 def cache_key(cfg: DataConfig) -> str:
     """Hash of the input content and every setting that changes the features."""
     if cfg.source == "synthetic":
         identity = {"synthetic": asdict(cfg.synthetic)}
     else:
+        root = Path(cfg.cache_dir).expanduser()
+        root.mkdir(parents=True, exist_ok=True)
         identity = {
-            split: hashlib.sha256(read_bytes(url)).hexdigest()
+            split: content_hash(url, root)
             for split, url in (("train", cfg.source), ("eval", cfg.eval_source))
             if url
         }

@@ -217,3 +217,22 @@ def test_a_damaged_cache_is_a_data_error_naming_its_directory(tmp_path, damage):
         prepare(cfg)
     assert str(path) in str(info.value)
     assert not any(".tmp-" in p.name for p in (tmp_path / "cache").iterdir())
+
+
+def test_content_hash_reads_an_unchanged_input_once_and_sees_a_change(tmp_path, monkeypatch) -> None:
+    import os
+
+    from elastic_qa.data import cache
+
+    source = tmp_path / "train.json"
+    source.write_text('{"data": []}')
+    reads = []
+    real_read = cache.read_bytes
+    monkeypatch.setattr(cache, "read_bytes", lambda url: reads.append(url) or real_read(url))
+    first = cache.content_hash(str(source), tmp_path)
+    assert cache.content_hash(str(source), tmp_path) == first
+    assert len(reads) == 1  # the restart did not read the file again
+    source.write_text('{"data": [ ]}')
+    os.utime(source, ns=(1, 1))
+    assert cache.content_hash(str(source), tmp_path) != first
+    assert len(reads) == 2
