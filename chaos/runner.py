@@ -94,7 +94,7 @@ def run_schedule(
     started = time.monotonic()
     cfg = None
     rng = random.Random(seed)
-    last_progress = -1
+    last_progress = 0  # no fault before the group has trained a step
     try:
         for fault in sorted(schedule, key=lambda f: (f.at_time or 0.0, f.at_step or 0)):
             while True:
