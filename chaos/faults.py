@@ -82,7 +82,10 @@ class Injector:
         return {"target": f"agent {agent['index']} (pid {agent['pid']})"}
 
     def _join_node(self, fault: Fault) -> dict:
-        pid = self.job.join()
+        try:
+            pid = self.job.join()
+        except RuntimeError as err:  # e.g. the job already has its maximum of agents
+            raise NoTarget(str(err)) from None
         return {"target": f"new agent pid {pid}"}
 
     def _freeze_worker(self, fault: Fault) -> dict:

@@ -125,6 +125,9 @@ def run_schedule(
                         outcome = {"skipped": f"no target: {err}"}
                         break
                     time.sleep(0.2)
+                except OSError as err:  # the injector itself failed: record it, keep the run going
+                    outcome = {"skipped": f"injection failed: {type(err).__name__}: {err}"}
+                    break
             log_line(
                 run_dir,
                 {

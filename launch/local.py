@@ -1,6 +1,6 @@
 """Elastic torchrun agents on this host: start a job, add an agent, stop one gracefully, stop all.
 
-    python launch/local.py start --agents 2 [--min 1 --max 4] [--config CFG] [overrides ...]
+    python launch/local.py start --agents 2 [--min 1 --max 4] [--config CFG] [--module M] [overrides ...]
     python launch/local.py join  --run-dir DIR          # one more agent: the group regroups larger
     python launch/local.py leave --run-dir DIR [--agent N]   # SIGTERM one agent: it saves and leaves
     python launch/local.py stop  --run-dir DIR          # SIGTERM every agent
@@ -43,6 +43,7 @@ MONITOR_INTERVAL = 0.5
 MAX_RESTARTS = 100
 CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
 EXIT_BAD_INPUT = 2
+WORKER_MODULE = "elastic_qa.train"
 
 
 def log_action(run_dir: Path | None, event: str, **fields) -> None:
@@ -61,16 +62,17 @@ def free_port() -> int:
 
 
 def alive(pid: int) -> bool:
+    """A running process; a killed agent that its parent has not reaped yet (a zombie) is not alive."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is not alive
-        finished, _ = os.waitpid(pid, os.WNOHANG)
-        return finished == 0
-    except ChildProcessError:
+    except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
 
 
@@ -102,7 +104,7 @@ def agent_command(job: dict, is_host: bool) -> list[str]:
         f"--max-restarts={job['max_restarts']}",
         f"--monitor-interval={MONITOR_INTERVAL}",
         "-m",
-        "elastic_qa.train",
+        job.get("module", WORKER_MODULE),  # launch.json files written before --module existed lack it
         "--config",
         job["config"],
         *job["overrides"],
@@ -182,6 +184,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         "max_restarts": args.max_restarts,
         "config": args.config,
         "overrides": args.overrides,
+        "module": args.module,
         "agents": [],
     }
     log_action(
@@ -321,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     start.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
     start.add_argument("--config", default="default", help="config file or packaged config name")
+    start.add_argument(
+        "--module",
+        default=WORKER_MODULE,
+        help=f"worker module the agents run, given --config and the overrides (default {WORKER_MODULE}; "
+        "the recovery benchmark runs a trivial baseline worker this way)",
+    )
     start.add_argument("overrides", nargs="*", help="section.key=value")
     for name, helptext in (
         ("join", "add one agent to a running job"),
