@@ -62,6 +62,22 @@ def corrupted_steps(faults: list[dict]) -> set[int]:
     }
 
 
+def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
+    """Steps resumed from while their checkpoint was the copy a fault corrupted (no newer commit of the
+    same step in between: a replayed run may legitimately commit that step again)."""
+    corruptions = [(f["ts"], f["checkpoint_step"]) for f in faults if "checkpoint_step" in f]
+    bad = []
+    for resume in (e for e in events if e.get("event") == "resume" and e.get("rank") == 0):
+        step, at = resume["step"], resume["ts"]
+        corrupted_at = max((ts for ts, s in corruptions if s == step and ts < at), default=None)
+        if corrupted_at is None:
+            continue
+        recommitted = any(e["step"] == step and corrupted_at < e["ts"] < at for e in _committed(events))
+        if not recommitted:
+            bad.append(step)
+    return bad
+
+
 def _committed(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("event") == "checkpoint_committed"]
 
@@ -189,15 +205,7 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
 
     corrupted = corrupted_steps(faults)
     problems = check_checkpoints(cfg, exclude=corrupted)
-    first_corruption = min((f["ts"] for f in faults if f["fault"] == "corrupt-checkpoint"), default=None)
-    bad_resumes = [
-        e["step"]
-        for e in events
-        if e.get("event") == "resume"
-        and e["step"] in corrupted
-        and first_corruption is not None
-        and e["ts"] > first_corruption
-    ]
+    bad_resumes = resumed_from_corrupted(events, faults)
     if bad_resumes:
         problems.append(f"resumed from a checkpoint corrupted on purpose: steps {bad_resumes}")
     verdict.add("checkpoints", not problems, problems)

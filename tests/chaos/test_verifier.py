@@ -143,3 +143,13 @@ def test_a_kill_with_survivors_may_lose_one_step_but_not_two() -> None:
 def test_a_fault_that_should_restart_the_group_but_did_not_is_caught() -> None:
     rows = judge_faults(_events((0.0, 2, 0, 60)), [{"fault": "kill-node", "ts": 5.0, "step": 30}], 30)
     assert rows[0]["verdict"] == "FAIL"
+
+
+def test_resuming_from_a_corrupted_copy_is_caught_but_not_from_a_later_recommit() -> None:
+    from chaos.verify import resumed_from_corrupted
+
+    corrupt = [{"fault": "corrupt-checkpoint", "ts": 10.0, "checkpoint_step": 40}]
+    resume = {"event": "resume", "rank": 0, "ts": 20.0, "step": 40}
+    assert resumed_from_corrupted([resume], corrupt) == [40]
+    recommit = {"event": "checkpoint_committed", "ts": 15.0, "step": 40}  # the step was replayed and saved
+    assert resumed_from_corrupted([recommit, resume], corrupt) == []
