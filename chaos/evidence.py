@@ -72,6 +72,8 @@ def check_ledger(run_dir: Path, cfg: Config, num_samples: int) -> LedgerVerdict:
             )
         if entries[0]["epoch"] != plan.epoch:
             problems.append(f"step {step}: epoch {entries[0]['epoch']}, planned {plan.epoch}")
+    if len(seen_in_epoch) == num_samples and max(seen_in_epoch.values()) == 1:
+        epochs_completed += 1  # the last epoch ended exactly at max_steps
     repeated = [index for index, count in seen_in_epoch.items() if count > 1]
     if repeated:
         problems.append(f"epoch {epoch}: {len(repeated)} samples used more than once")
