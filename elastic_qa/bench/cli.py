@@ -1,0 +1,86 @@
+"""`elastic-qa bench NAME [options]`: the benchmarks, one module each.
+
+    throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
+    checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
+    resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
+    recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
+    scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+
+Every benchmark takes --reps N, --json PATH, --work-dir DIR and --help, prints a table of medians with
+their min..max spread, and runs compared variants alternately. Exit codes: 0 done (whether or not a goal
+was met), 1 a measured run failed, 2 bad arguments.
+
+A benchmark module provides build_parser() and run(args, work_dir) -> dict (its JSON); this file handles
+argument errors, the work directory, logging of in-process work and the JSON file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from elastic_qa.bench.common import BenchError, UsageError, write_json
+from elastic_qa.observe.log import configure_logging
+
+BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling")
+DELEGATED = ("drift",)  # modules with their own main(argv) and conventions
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(
+            f"elastic-qa bench: name a benchmark ({', '.join(BENCHMARKS)}); --help for more", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
+    if argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    name, rest = argv[0], list(argv[1:])
+    if name in DELEGATED:
+        return importlib.import_module(f"elastic_qa.bench.{name}").main(rest)
+    if name not in BENCHMARKS:
+        print(
+            f"elastic-qa bench: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    module = importlib.import_module(f"elastic_qa.bench.{name}")
+    try:
+        args = module.build_parser().parse_args(rest)
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix=f"eqa-bench-{name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # In-process work (cache building, the checkpointer) logs to the work dir, not over the tables.
+    previous = structlog.get_config()
+    configure_logging(work / "bench-logs", "info")
+    keep = args.work_dir is not None
+    try:
+        result = module.run(args, work.resolve())
+        if args.json:
+            try:
+                write_json(args.json, result)
+            except OSError as err:
+                raise BenchError(f"cannot write --json {args.json}: {err.strerror or err}") from None
+            print(f"figures written to {args.json}")
+        return 0
+    except UsageError as err:
+        print(f"elastic-qa bench {name}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BenchError as err:
+        keep = True  # the failed run's output is in there
+        print(f"elastic-qa bench {name}: {err} (work dir kept: {work})", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        structlog.configure(**previous)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,186 @@
+"""recovery: seconds from a kill to the first completed step of the new worker group.
+
+Two agents through launch/local.py (the product's rendezvous settings), then either a worker kill (SIGKILL
+one worker of the non-host agent) or a node loss (SIGKILL that agent and its workers at once). The same
+kills hit a bare baseline: elastic_qa/bench/trivial_worker.py launched by the same launcher and agents
+(`--module`), which has nothing to load or restore. Recovery = ts of the first `step` event written by a
+process that did not exist before the kill, minus the kill time. Product and baseline alternate.
+Goal: product / bare <= 1.5 for each case.
+
+When the kill falls matters: a dead node is noticed once its last rendezvous heartbeat (every
+keep_alive_interval, from the agents' rendezvous on) is keep_alive_interval x max_attempt old, so recovery
+after a node loss varies by up to one heartbeat interval with the kill's phase. Killing "as soon as step N
+is done" would put the fast-starting baseline and the product on different phases (a bias of seconds), so
+each rep kills on a fixed phase of that grid, counted from the agents' start, the same phase for product
+and baseline, and phases spread evenly over the interval across reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from chaos.job import LAUNCHER, Job
+from elastic_qa.bench.common import (
+    BenchError,
+    add_config_arguments,
+    alternate,
+    choice_list,
+    goal_line,
+    new_parser,
+    positive_int,
+    print_table,
+    show,
+    summary,
+)
+from elastic_qa.bench.runs import load_config
+from elastic_qa.observe.follow import LogFollower
+
+GOAL = 1.5
+CASES = ("worker", "node")
+TRIVIAL = "elastic_qa.bench.trivial_worker"
+SETTLE_S = 6.0  # earliest kill after the agents start: past the first rendezvous and a heartbeat or two
+# The product logs every step (so the first one after the kill is seen) and never ends on its own.
+PRODUCT = (
+    "log.every_steps=1",
+    "log.console=none",
+    "train.max_steps=10000000",
+    "train.eval_every=0",
+    "checkpoint.interval=1000h",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("recovery", __doc__, reps=3)
+    add_config_arguments(parser, "default")
+    parser.add_argument(
+        "--cases", type=choice_list(CASES), default=list(CASES), help="worker,node (default both)"
+    )
+    parser.add_argument("--kill-after", type=positive_int, default=10, help="steps trained before the kill")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for any phase")
+    return parser
+
+
+def heartbeat_interval() -> float:
+    """keep_alive_interval of the launcher's rendezvous settings (the grid dead nodes are detected on)."""
+    match = re.search(r"keep_alive_interval=(\d+(?:\.\d+)?)", LAUNCHER.read_text())
+    return float(match.group(1)) if match else 5.0  # torch's default
+
+
+def wait_for_phase(started: float, phase: float, interval: float) -> None:
+    """Sleep until started + SETTLE_S + phase + k * interval, the first such time not yet past."""
+    kill_at = started + SETTLE_S + phase
+    while kill_at < time.time():
+        kill_at += interval
+    time.sleep(kill_at - time.time())
+
+
+def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, phase: float) -> dict[str, Any]:
+    # `--module` goes last: the launcher reads options after the overrides too.
+    extra = [*PRODUCT] if variant == "product" else ["--module", TRIVIAL]
+    job = Job(run_dir, args.config, [*args.overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
+    follower = LogFollower(run_dir / "logs")
+    try:
+        job.start()
+        started = min(agent["started"] for agent in job.agents())
+        job.wait_for_step(args.kill_after, args.timeout)
+        wait_for_phase(started, phase, heartbeat_interval())
+        before = {row["pid"] for row in follower.new_events() if "pid" in row}
+        victim = next((a for a in job.live_agents() if not a["is_host"]), None)
+        workers = job.workers(victim) if victim else []
+        if not workers:
+            raise BenchError(f"{variant}: no worker of a non-host agent to kill (logs: {run_dir})")
+        victims = workers[:1] if case == "worker" else [victim["pid"], *workers]
+        killed = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        # For reading the agents' and workers' logs against the kill afterwards (--work-dir keeps them).
+        record = {"ts": killed, "case": case, "pids": victims, "since_agents_started": killed - started}
+        (run_dir / "bench-kill.json").write_text(json.dumps(record))
+        new = new_group_events(follower, before, killed, args.timeout, f"{variant} {case} ({run_dir})")
+    finally:
+        job.kill_everything()
+    first_step = min(new["step"], key=lambda row: row["ts"])
+    return {
+        "first_step_s": first_step["ts"] - killed,
+        "worker_start_s": min(row["ts"] for row in new["worker_start"] or [first_step]) - killed,
+        "new_world_size": first_step.get("world_size"),
+    }
+
+
+def new_group_events(
+    follower: LogFollower, before: set[int], killed: float, timeout: float, what: str
+) -> dict[str, list[dict[str, Any]]]:
+    """worker_start and step events of processes that did not exist before the kill, until the first step."""
+    new: dict[str, list[dict[str, Any]]] = {"worker_start": [], "step": []}
+    while not new["step"]:
+        for row in follower.new_events():
+            if row.get("pid") not in before and row.get("ts", 0) >= killed and row.get("event") in new:
+                new[row["event"]].append(row)
+        if not new["step"] and time.time() - killed > timeout:
+            raise BenchError(f"{what}: no step of a new group within {timeout:.0f} s")
+        time.sleep(0.02)
+    return new
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    load_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
+    pairs = [(case, variant) for case in args.cases for variant in ("product", "bare")]
+    figures: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
+    for rep, (case, variant) in alternate(args.reps, pairs):
+        print(f"[recovery] rep {rep + 1}/{args.reps}: {case} kill, {variant} ...", flush=True)
+        run_dir = work / f"{case}-{variant}-{rep}"
+        phase = heartbeat_interval() * (rep + 0.5) / args.reps  # stratified; product and bare alike
+        figures[case, variant].append(measure(variant, case, args, run_dir, phase))
+    cases: dict[str, Any] = {}
+    for case in args.cases:
+        product, bare = figures[case, "product"], figures[case, "bare"]
+        ratios = [p["first_step_s"] / b["first_step_s"] for p, b in zip(product, bare, strict=True)]
+        cases[case] = {
+            variant: {
+                "first_step_s": summary([row["first_step_s"] for row in rows]),
+                "worker_start_s": summary([row["worker_start_s"] for row in rows]),
+                "new_world_size": rows[-1]["new_world_size"],
+            }
+            for variant, rows in (("product", product), ("bare", bare))
+        }
+        cases[case]["ratio"] = statistics.median(ratios)
+        cases[case]["ratio_spread"] = summary(ratios)
+    print_table(
+        ["case", "variant", "new world", "kill -> worker start s", "kill -> first step s", "product/bare"],
+        [
+            [
+                case,
+                variant,
+                str(cases[case][variant]["new_world_size"]),
+                show(cases[case][variant]["worker_start_s"], ".2f"),
+                show(cases[case][variant]["first_step_s"], ".2f"),
+                show(cases[case]["ratio_spread"], ".2f") if variant == "product" else "",
+            ]
+            for case in args.cases
+            for variant in ("product", "bare")
+        ],
+    )
+    for case in args.cases:
+        print(goal_line(f"{case} kill product/bare", cases[case]["ratio"], GOAL, ".2f"))
+    return {
+        "benchmark": "recovery",
+        "settings": {
+            "config": args.config,
+            "overrides": args.overrides,
+            "agents": 2,
+            "kill_after_steps": args.kill_after,
+            "heartbeat_interval_s": heartbeat_interval(),
+            "reps": args.reps,
+        },
+        "cases": cases,
+        "goal": GOAL,
+        "goal_met": all(cases[case]["ratio"] <= GOAL for case in args.cases),
+    }

@@ -1,0 +1,122 @@
+"""Every benchmark end to end on the tiny config (1 rep, few steps, small world): the JSON has the figures.
+
+No timing assertions (the machine is shared and noisy): only that each figure exists and is sane.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_qa.bench.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    out = tmp_path / "figures.json"
+    assert main([*argv, "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    return json.loads(out.read_text())
+
+
+def positive(stat: dict[str, Any]) -> bool:
+    return 0 < stat["min"] <= stat["median"] <= stat["max"] and all(v > 0 for v in stat["values"])
+
+
+def test_throughput(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path,
+        "throughput",
+        "--config",
+        "tiny",
+        "--reps",
+        "1",
+        "--steps",
+        "20",
+        f"data.cache_dir={cache_dir}",
+    )
+    assert result["ratio"] > 0 and positive(result["ratio_spread"]) and result["ratio_median_chunks"] > 0
+    assert set(result["variants"]) == {"plain", "product"}
+    for variant in result["variants"].values():
+        assert positive(variant["steps_per_s"]) and positive(variant["samples_per_s"])
+    assert result["settings"]["world_size"] == 2 and result["settings"]["steps"] == 20
+    assert result["variants"]["product"]["breakdown_ms"]["forward_backward_s"] > 0
+
+
+def test_checkpoint(tmp_path: Path) -> None:
+    result = bench(tmp_path, "checkpoint", "--models", "tiny", "--reps", "1")
+    tiny = result["models"]["tiny"]
+    assert tiny["parameters"] > 0 and tiny["bytes"] > 0
+    assert positive(tiny["stall_s"]) and positive(tiny["sync_s"]) and positive(tiny["async_total_s"])
+    assert tiny["stall_ratio"] > 0 and "goal_met" in result
+
+
+def test_resume(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path,
+        "resume",
+        "--config",
+        "tiny",
+        "--reps",
+        "1",
+        "--positions",
+        "0,99",
+        f"data.cache_dir={cache_dir}",
+    )
+    assert set(result["positions"]) == {"0%", "99%"}
+    assert result["positions"]["0%"]["cursor"] == 0 and result["positions"]["99%"]["cursor"] > 0
+    for position in result["positions"].values():
+        assert positive(position["first_step_s"]) and positive(position["resume_event_s"])
+    assert result["max_over_min"] >= 1
+
+
+def test_recovery(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path,
+        "recovery",
+        "--config",
+        "tiny",
+        "--reps",
+        "1",
+        "--cases",
+        "worker",
+        "--kill-after",
+        "2",
+        f"data.cache_dir={cache_dir}",
+    )
+    worker = result["cases"]["worker"]
+    for variant in ("product", "bare"):
+        assert positive(worker[variant]["first_step_s"]) and worker[variant]["new_world_size"] == 2
+    assert worker["ratio"] > 0
+
+
+def test_scaling(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path, "scaling", "--config", "tiny", "--reps", "1", "--steps", "20", f"data.cache_dir={cache_dir}"
+    )
+    assert set(result["world_sizes"]) == {"1", "2"}
+    assert result["world_sizes"]["1"]["speedup"] == 1.0
+    for world in result["world_sizes"].values():
+        assert positive(world["samples_per_s"]) and world["speedup"] > 0
+        assert world["comm_share"] is None or 0 <= world["comm_share"]["median"] <= 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nosuch"],
+        ["throughput", "--reps", "0"],
+        ["scaling", "--world-sizes", "one"],
+        ["checkpoint", "--models", "huge"],
+        ["resume", "--positions", "100"],
+        ["throughput", "--config", "tiny", "train.nosuch=1"],
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and len(err.splitlines()) == 1, err
