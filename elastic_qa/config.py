@@ -282,10 +282,18 @@ class DistConfig:
     """Compress gradients to this dtype for the all-reduce (halves the bytes on the wire)."""
     agent_check_interval: timedelta = timedelta(milliseconds=500)
     """How often a worker checks that its torchrun agent is still alive."""
+    control_period: timedelta = timedelta(milliseconds=100)
+    """Ranks agree on stop/save (one tiny all-reduce) about this often: a SIGTERM is acted on this late."""
 
     def __post_init__(self) -> None:
         _require(self.timeout.total_seconds() > 0, "timeout", format_duration(self.timeout), "must be > 0")
         _require(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "must be > 0")
+        _require(
+            self.control_period.total_seconds() >= 0,
+            "control_period",
+            format_duration(self.control_period),
+            "must be >= 0 (0: every step)",
+        )
         _require(
             self.agent_check_interval.total_seconds() > 0,
             "agent_check_interval",

@@ -17,8 +17,15 @@ class SaveSchedule:
         self.last_save = clock()
 
     def due(self, step: int) -> bool:
-        by_steps = self.every_steps > 0 and step % self.every_steps == 0
-        return by_steps or self.clock() - self.last_save >= self.interval_s
+        return self.step_due(step) or self.time_due()
+
+    def step_due(self, step: int) -> bool:
+        """The step trigger: every rank computes it alike, without agreeing."""
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def time_due(self) -> bool:
+        """The timer: only rank 0's answer counts (clocks differ), so it travels to the others."""
+        return self.clock() - self.last_save >= self.interval_s
 
     def saved(self) -> None:
         self.last_save = self.clock()

@@ -32,6 +32,7 @@ class RankBatchKey:
     step: int
     epoch: int
     global_count: int  # samples in the whole global batch (the loss normaliser)
+    global_tokens: int  # non-pad tokens in the whole global batch (tokens seen, without a collective)
     indices: tuple[int, ...]  # this rank's samples
     empty: bool  # this rank has no sample this step: it trains on one sample with weight 0
 
@@ -39,10 +40,19 @@ class RankBatchKey:
 class RankBatchSampler:
     """For each step from the cursor on: this rank's contiguous share of the global batch."""
 
-    def __init__(self, cursor: GlobalCursor, first_step: int, last_step: int, rank: int, world_size: int):
+    def __init__(
+        self,
+        cursor: GlobalCursor,
+        first_step: int,
+        last_step: int,
+        rank: int,
+        world_size: int,
+        lengths: np.ndarray,
+    ):
         self.cursor = copy.copy(cursor)  # a snapshot: the trainer advances its own cursor meanwhile
         self.first_step, self.last_step = first_step, last_step
         self.rank, self.world_size = rank, world_size
+        self.lengths = lengths
 
     def __len__(self) -> int:
         return max(0, self.last_step - self.first_step + 1)
@@ -53,8 +63,14 @@ class RankBatchSampler:
             start, stop = rank_slice(batch.global_count, self.world_size, self.rank)
             share = tuple(batch.global_indices[start:stop])
             empty = not share
+            global_tokens = int(self.lengths[batch.global_indices].sum())
             yield RankBatchKey(
-                batch.step, batch.epoch, batch.global_count, share or (batch.global_indices[0],), empty
+                batch.step,
+                batch.epoch,
+                batch.global_count,
+                global_tokens,
+                share or (batch.global_indices[0],),
+                empty,
             )
 
 
@@ -88,6 +104,7 @@ def collate(features: Features, rows: np.ndarray, key: RankBatchKey | None = Non
             step=key.step,
             epoch=key.epoch,
             global_count=key.global_count,
+            global_tokens=key.global_tokens,
             indices=[] if key.empty else list(key.indices),
             weights=torch.full((len(rows),), weight),
         )
@@ -108,7 +125,8 @@ def build_train_loader(
     num_workers: int,
     pin_memory: bool = False,
 ) -> StatefulDataLoader:
-    sampler = RankBatchSampler(cursor, first_step, last_step, rank, world_size)
+    lengths = (features.input_ids != PAD).sum(axis=1)  # one pass at start-up, not per step
+    sampler = RankBatchSampler(cursor, first_step, last_step, rank, world_size, lengths)
     return StatefulDataLoader(
         FeatureBatches(features),
         batch_size=None,  # the sampler's keys are whole batches

@@ -1,10 +1,11 @@
 """Where a step's time goes, per rank, and a one-line diagnosis in the seed article's terms.
 
 Every `log.breakdown_every` steps each rank logs `step_breakdown`: data wait, forward+backward,
-communication (gradient all-reduce, from the timing DDP comm hook), optimizer, checkpoint stall, the rest,
-and peak memory. The ranks' figures are gathered (one small all-gather on the CPU control group) and rank 0
-prints a diagnosis when a share crosses a threshold: data wait > 10% (data-bound), communication > 20%
-(communication-bound), or one rank busier than the median by > 20% in two windows running (straggler).
+communication (gradient all-reduce, from the timing DDP comm hook), optimizer, logging and saving (of
+which the checkpoint stall), the rest, and peak memory. The ranks' figures are gathered (one small
+all-gather on the CPU control group) and rank 0 prints a diagnosis when a share crosses a threshold: data
+wait > 10% (data-bound), communication > 20% (communication-bound), or one rank busier than the median by
+> 20% in two windows running (straggler).
 
 Phases are wall-clock marks. On CUDA a mark synchronises the device, which costs overlap, so there they are
 taken on the reporting step only; on CPU they cost nothing and every step is timed.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from elastic_qa.dist import CommTimer
 
-PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
+PHASES = ("data", "forward_backward", "optimizer", "log_and_save")
 DATA_BOUND, COMM_BOUND, STRAGGLER = 0.10, 0.20, 0.20
 
 
@@ -60,6 +61,12 @@ class StepTimer:
     def add_stall(self, seconds: float) -> None:
         self._stall += seconds
 
+    def mean_step_s(self) -> float:
+        """Mean wall time of the recent steps (0 before two steps have finished)."""
+        if len(self.rate_window) < 2:
+            return 0.0
+        return (self.rate_window[-1] - self.rate_window[0]) / (len(self.rate_window) - 1)
+
     def samples_per_s(self, global_count: int) -> float:
         """Global samples per second over the recent steps (a sliding window of 20)."""
         if len(self.rate_window) < 2:
@@ -87,6 +94,7 @@ class StepTimer:
             "forward_backward_s": per_step["forward_backward"],
             "comm_s": comm,
             "optimizer_s": per_step["optimizer"],
+            "log_and_save_s": per_step["log_and_save"],
             "checkpoint_stall_s": self._stall / steps,
             "other_s": max(0.0, step_s - sum(per_step.values())),
         }
