@@ -87,8 +87,11 @@ class SpanQA(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.final_norm = nn.LayerNorm(cfg.d_model)
-        self.span_head = nn.Linear(cfg.d_model, 2)
+        # No biases here: a shift common to every position cancels in the softmax over positions, so their
+        # gradient is zero up to rounding, and Adam (g / sqrt(v)) would turn that rounding noise into
+        # full-size steps that differ with the summation order, i.e. with the world size.
+        self.final_norm = nn.LayerNorm(cfg.d_model, bias=False)
+        self.span_head = nn.Linear(cfg.d_model, 2, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, segment_ids: torch.Tensor

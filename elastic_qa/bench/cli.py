@@ -5,10 +5,11 @@
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+    drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
 
-Every benchmark takes --reps N, --json PATH, --work-dir DIR and --help, prints a table of medians with
-their min..max spread, and runs compared variants alternately. Exit codes: 0 done (whether or not a goal
-was met), 1 a measured run failed, 2 bad arguments.
+Every benchmark but drift (one deterministic run per world size) takes --reps N, --json PATH, --work-dir
+DIR and --help, prints a table of medians with their min..max spread, and runs compared variants
+alternately. Exit codes: 0 done (whether or not a goal was met), 1 a measured run failed, 2 bad arguments.
 
 A benchmark module provides build_parser() and run(args, work_dir) -> dict (its JSON); this file handles
 argument errors, the work directory, logging of in-process work and the JSON file.
@@ -35,7 +36,8 @@ EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 def main(argv: list[str]) -> int:
     if not argv:
         print(
-            f"elastic-qa bench: name a benchmark ({', '.join(BENCHMARKS)}); --help for more", file=sys.stderr
+            f"elastic-qa bench: name a benchmark ({', '.join(BENCHMARKS + DELEGATED)}); --help for more",
+            file=sys.stderr,
         )
         return EXIT_BAD_INPUT
     if argv[0] in ("-h", "--help"):
@@ -46,7 +48,7 @@ def main(argv: list[str]) -> int:
         return importlib.import_module(f"elastic_qa.bench.{name}").main(rest)
     if name not in BENCHMARKS:
         print(
-            f"elastic-qa bench: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})",
+            f"elastic-qa bench: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS + DELEGATED)})",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT

@@ -99,7 +99,7 @@ def test_a_final_model_that_differs_is_caught(copy_of) -> None:
     final = Path(store.path(f"step-{STEPS:08d}"))
     files = {name: (final / name).read_bytes() for name in ("model.pt", "optimizer.pt", "trainer.pt")}
     model = torch.load(final / MODEL_FILE, weights_only=True)
-    model["span_head.bias"] = model["span_head.bias"] + 1e-3
+    model["span_head.weight"] = model["span_head.weight"] + 1e-3
     files[MODEL_FILE] = serialize(model)
     manifest = json.loads((final / "manifest.json").read_text())
     store.remove(str(final))
