@@ -19,11 +19,12 @@ _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#
 Series = tuple[str, list[tuple[float, float]], str]  # label, points, colour
 
 
-def _scale(values: Sequence[float], low: float, high: float) -> tuple[float, float]:
+def _scale(values: Sequence[float], low: float, high: float) -> tuple[float, float, float]:
+    """The data range to draw (widened when flat) and pixels per unit: (lo, hi, scale)."""
     lo, hi = min(values), max(values)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
-    return lo, (high - low) / (hi - lo)
+    return lo, hi, (high - low) / (hi - lo)
 
 
 def line_chart(
@@ -45,8 +46,10 @@ def line_chart(
         return f"<h3>{html.escape(title)}</h3><p>(no data)</p>"
     ys = [math.log10(max(y, 1e-12)) if log_y else y for _, y in points]
     xs = [x for x, _ in points] + [m[0] for m in markers]
-    x0, xk = _scale(xs, left, right)
-    y0, yk = _scale(ys, 0, bottom - top)
+    if step_lines:  # counts (world size): draw from zero so a flat line reads as a level, not noise
+        ys = [*ys, 0.0]
+    x0, x_max, xk = _scale(xs, left, right)
+    y0, y_max, yk = _scale(ys, 0, bottom - top)
 
     def px(x: float) -> float:
         return left + (x - x0) * xk
@@ -62,20 +65,18 @@ def line_chart(
         f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#999"/>',
         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#999"/>',
     ]
-    y_min, y_max = min(ys), max(ys)
     for frac in (0.0, 0.5, 1.0):
-        value = y_min + frac * (y_max - y_min)
+        value = y0 + frac * (y_max - y0)
         label = f"{10**value:.3g}" if log_y else f"{value:.4g}"
         parts.append(
             f'<text x="{left - 4}" y="{bottom - frac * (bottom - top) + 4:.1f}" '
             f'text-anchor="end">{label}</text>'
         )
-    x_min, x_max = min(xs), max(xs)
-    for frac in (0.0, 0.5, 1.0):
-        value = x_min + frac * (x_max - x_min)
+    for frac, anchor in ((0.0, "start"), (0.5, "middle"), (1.0, "end")):
+        value = x0 + frac * (x_max - x0)
         parts.append(
             f'<text x="{left + frac * (right - left):.1f}" y="{bottom + 14}" '
-            f'text-anchor="middle">{value:.4g}</text>'
+            f'text-anchor="{anchor}">{value:.4g}</text>'
         )
     parts.append(
         f'<text x="{(left + right) / 2}" y="{height - 4}" text-anchor="middle">{html.escape(x_label)}</text>'
@@ -149,7 +150,7 @@ def render_report(
     norms = _per_rank(events, "step", "grad_norm")
     sections.append(
         line_chart(
-            "Gradient norm per rank",
+            "Gradient norm per rank (of the all-reduced gradient: ranks agree unless one diverged)",
             [(f"rank {rank}", pts, _COLOURS[rank % len(_COLOURS)]) for rank, pts in sorted(norms.items())],
             "step",
             log_y=True,

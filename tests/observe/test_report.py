@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from elastic_qa.observe.report import line_chart
 from tests.conftest import train_tiny
 
 
@@ -36,3 +38,15 @@ def test_report_of_a_directory_without_logs_fails_with_exit_2(tmp_path: Path) ->
         timeout=60,
     )
     assert result.returncode == 2 and "logs" in result.stderr
+
+
+def _axis_labels(svg: str) -> list[str]:
+    return re.findall(r'text-anchor="end">([^<]+)</text>', svg)
+
+
+def test_a_flat_series_gets_distinct_axis_labels_and_counts_start_at_zero() -> None:
+    flat = line_chart("loss", [("loss", [(1.0, 0.5), (2.0, 0.5)], "#000")], "step")
+    y_labels = _axis_labels(flat)[:3]  # bottom, middle, top
+    assert len(set(y_labels)) == 3, y_labels
+    world = line_chart("world", [("world", [(0.0, 2.0), (9.0, 2.0)], "#000")], "s", step_lines=True)
+    assert _axis_labels(world)[:3] == ["0", "1", "2"]
