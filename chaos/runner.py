@@ -32,15 +32,28 @@ def log_line(run_dir: Path, record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+def code_fingerprint() -> str:
+    """A hash of the trainer's source: a reference trained by other code (another model, say) is stale."""
+    import elastic_qa
+
+    digest = hashlib.sha256()
+    package = Path(elastic_qa.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def reference_key(config: str, overrides: list[str], agents: int) -> str:
-    """Configs that train the same model the same way share a reference run, whatever their run dir."""
+    """Configs that train the same model the same way, with the same code, share a reference run."""
     from elastic_qa.train import resolve_config
 
     resolved = resolve_config(config, overrides)
     tree = resolved.to_dict()
     for volatile in ("run", "log", "debug", "checkpoint"):  # where and how it is observed, not what
         tree.pop(volatile)
-    blob = json.dumps({"cfg": tree, "seed": resolved.run.seed, "agents": agents}, sort_keys=True)
+    blob = json.dumps(
+        {"cfg": tree, "seed": resolved.run.seed, "agents": agents, "code": code_fingerprint()}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
