@@ -13,6 +13,7 @@ class SaveSchedule:
     def __init__(self, cfg: CheckpointConfig, clock=time.monotonic) -> None:
         self.interval_s = cfg.interval.total_seconds()
         self.every_steps = cfg.every_steps
+        self.milestone_steps = cfg.keep_every_steps
         self.clock = clock
         self.last_save = clock()
 
@@ -20,8 +21,9 @@ class SaveSchedule:
         return self.step_due(step) or self.time_due()
 
     def step_due(self, step: int) -> bool:
-        """The step trigger: every rank computes it alike, without agreeing."""
-        return self.every_steps > 0 and step % self.every_steps == 0
+        """The step triggers (every_steps, and milestones: a milestone that is never saved cannot be kept);
+        every rank computes them alike, without agreeing."""
+        return any(every > 0 and step % every == 0 for every in (self.every_steps, self.milestone_steps))
 
     def time_due(self) -> bool:
         """The timer: only rank 0's answer counts (clocks differ), so it travels to the others."""

@@ -54,6 +54,14 @@ def test_every_steps_makes_each_multiple_due_whatever_the_clock_says() -> None:
     assert [step for step in range(1, 201) if schedule.due(step)] == [50, 100, 150, 200]
 
 
+def test_each_milestone_step_is_saved_so_that_it_can_be_kept() -> None:
+    clock = FakeClock()
+    cfg = CheckpointConfig(interval=timedelta(hours=1), every_steps=30, keep_every_steps=100)
+    schedule = SaveSchedule(cfg, clock=clock)
+
+    assert [step for step in range(1, 201) if schedule.due(step)] == [30, 60, 90, 100, 120, 150, 180, 200]
+
+
 def test_every_steps_zero_leaves_only_the_timer() -> None:
     clock = FakeClock()
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(hours=1), every_steps=0), clock=clock)
