@@ -339,7 +339,7 @@ class Trainer:
             every = max(1, min(1000, round(period / step_s))) if step_s else 1
         flags = torch.tensor(
             [
-                float(self.stop_request.requested),
+                float(self.stop_request.notice(self.log)),
                 float(self.ctx.is_main and self.schedule.time_due()),
                 float(every if self.ctx.is_main else 0),
             ],

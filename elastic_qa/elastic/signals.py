@@ -8,17 +8,27 @@ completed step.
 from __future__ import annotations
 
 import signal
-import threading
+import time
 from types import FrameType
-
-from elastic_qa.observe.log import get_logger
+from typing import Any
 
 
 class StopRequest:
+    """A stop flag set by SIGTERM/SIGINT (or by `request`), read by the training loop.
+
+    The handler runs in the main thread between two bytecodes, possibly while that thread holds a lock
+    (the log writer's, an Event's condition): it must take none, so it only assigns attributes, and the
+    loop logs `stop_requested` when it next looks (`notice`). A handler that logged deadlocked a worker
+    that the signal caught inside a log write: its peers then waited in a collective until torchrun's
+    SIGKILL, 30 s later, and the steps since the last checkpoint were lost.
+    """
+
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._requested = False
+        self._noticed = False
         self.signal_name: str | None = None
-        self._previous: dict[int, object] = {}
+        self.received_ts: float | None = None
+        self._previous: dict[int, Any] = {}
 
     def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         for signum in signals:
@@ -30,15 +40,23 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if not self._event.is_set():
+        if not self._requested:  # plain attribute stores: no lock, no I/O
             self.signal_name = signal.Signals(signum).name
-            get_logger().warning("stop_requested", signal=self.signal_name)
-        self._event.set()
+            self.received_ts = time.time()
+        self._requested = True
 
     def request(self, reason: str) -> None:
         self.signal_name = self.signal_name or reason
-        self._event.set()
+        self.received_ts = self.received_ts or time.time()
+        self._requested = True
 
     @property
     def requested(self) -> bool:
-        return self._event.is_set()
+        return self._requested
+
+    def notice(self, log: Any) -> bool:
+        """Whether a stop was requested; logs `stop_requested` the first time it is seen."""
+        if self._requested and not self._noticed:
+            self._noticed = True
+            log.warning("stop_requested", signal=self.signal_name, received_ts=self.received_ts)
+        return self._requested
