@@ -8,6 +8,7 @@ samples/s, world size over time with restarts, checkpoint commits and fault mark
 from __future__ import annotations
 
 import html
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,21 @@ def _scale(values: Sequence[float], low: float, high: float) -> tuple[float, flo
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
     return lo, hi, (high - low) / (hi - lo)
+
+
+def _runs(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+    """Sorted points cut where x jumps by more than 5x the usual spacing (a rank absent for a while):
+    a line across the gap would draw values that were never measured."""
+    gaps = sorted(b[0] - a[0] for a, b in itertools.pairwise(points))
+    if len(gaps) < 2:
+        return [points]
+    limit = 5 * max(gaps[len(gaps) // 2], 1e-12)
+    runs = [[points[0]]]
+    for previous, point in itertools.pairwise(points):
+        if point[0] - previous[0] > limit:
+            runs.append([])
+        runs[-1].append(point)
+    return runs
 
 
 def line_chart(
@@ -95,11 +111,14 @@ def line_chart(
             for (xa, ya), (xb, _) in zip(pts, [*pts[1:], pts[-1]], strict=True):
                 path += [(xa, ya), (xb, ya)]
             pts = path
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        parts.append(
-            f'<polyline fill="none" stroke="{colour}" stroke-width="1.4" points="{coords}">'
-            f"<title>{html.escape(label)}</title></polyline>"
-        )
+        for run in [pts] if step_lines else _runs(pts):
+            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
+            parts.append(
+                f'<polyline fill="none" stroke="{colour}" stroke-width="1.4" points="{coords}">'
+                f"<title>{html.escape(label)}</title></polyline>"
+            )
+        if len(pts) <= 30:  # few points (evaluations): dots, so that a single one shows
+            parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in pts]
         parts.append(
             f'<text x="{right - 4}" y="{top + 12 * (index + 1)}" text-anchor="end" '
             f'fill="{colour}">{html.escape(label)}</text>'

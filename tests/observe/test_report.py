@@ -50,3 +50,11 @@ def test_a_flat_series_gets_distinct_axis_labels_and_counts_start_at_zero() -> N
     assert len(set(y_labels)) == 3, y_labels
     world = line_chart("world", [("world", [(0.0, 2.0), (9.0, 2.0)], "#000")], "s", step_lines=True)
     assert _axis_labels(world)[:3] == ["0", "1", "2"]
+
+
+def test_a_rank_absent_for_a_while_is_not_drawn_across_the_gap_and_one_point_shows() -> None:
+    points = [(float(step), 1.0) for step in [*range(1, 11), *range(50, 61)]]
+    chart = line_chart("loss", [("rank 1", points, "#000")], "step")
+    assert chart.count("<polyline") == 2
+    single = line_chart("eval", [("EM", [(100.0, 0.7)], "#000")], "step")
+    assert single.count("<circle") == 1
