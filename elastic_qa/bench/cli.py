@@ -7,9 +7,10 @@
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
 
-Every benchmark but drift (one deterministic run per world size) takes --reps N, --json PATH, --work-dir
-DIR and --help, prints a table of medians with their min..max spread, and runs compared variants
-alternately. Exit codes: 0 done (whether or not a goal was met), 1 a measured run failed, 2 bad arguments.
+Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
+take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
+deterministic: one run per world size). Exit codes: 0 done (whether or not a goal was met), 1 a measured
+run failed, 2 bad arguments.
 
 A benchmark module provides build_parser() and run(args, work_dir) -> dict (its JSON); this file handles
 argument errors, the work directory, logging of in-process work and the JSON file.
@@ -28,15 +29,14 @@ import structlog
 from elastic_qa.bench.common import BenchError, UsageError, write_json
 from elastic_qa.observe.log import configure_logging
 
-BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling")
-DELEGATED = ("drift",)  # modules with their own main(argv) and conventions
+BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift")
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print(
-            f"elastic-qa bench: name a benchmark ({', '.join(BENCHMARKS + DELEGATED)}); --help for more",
+            f"elastic-qa bench: name a benchmark ({', '.join(BENCHMARKS)}); --help for more",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
@@ -44,11 +44,9 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0
     name, rest = argv[0], list(argv[1:])
-    if name in DELEGATED:
-        return importlib.import_module(f"elastic_qa.bench.{name}").main(rest)
     if name not in BENCHMARKS:
         print(
-            f"elastic-qa bench: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS + DELEGATED)})",
+            f"elastic-qa bench: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT

@@ -33,14 +33,16 @@ class BenchParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def new_parser(name: str, description: str, reps: int) -> BenchParser:
-    """A benchmark's parser with the options all of them share (--reps, --json, --work-dir)."""
+def new_parser(name: str, description: str, reps: int | None) -> BenchParser:
+    """A benchmark's parser with the options all of them share (--reps unless reps is None: a
+    deterministic benchmark; --json, --work-dir)."""
     parser = BenchParser(
         prog=f"elastic-qa bench {name}",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--reps", type=positive_int, default=reps, help=f"repetitions (default {reps})")
+    if reps is not None:
+        parser.add_argument("--reps", type=positive_int, default=reps, help=f"repetitions (default {reps})")
     parser.add_argument("--json", type=Path, help="write the figures and settings to this JSON file")
     parser.add_argument(
         "--work-dir",

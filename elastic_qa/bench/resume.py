@@ -32,10 +32,11 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import load_config, read_events, run_logged, worker_env
+from elastic_qa.bench.runs import events_of, load_config, run_logged, worker_env
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
+from elastic_qa.observe.follow import LogFollower
 
 BASE_STEPS = 3
 # Fields commit() writes itself; the rest of the original manifest is carried over to the copies.
@@ -92,7 +93,8 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
         started = time.time()
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
         try:
-            while not (steps := read_events(run_dir / "logs", "step")):
+            follower = LogFollower(run_dir / "logs")  # reads only what is new at each poll
+            while not (steps := [e for e in follower.new_events() if e.get("event") == "step"]):
                 if process.poll() is not None:
                     raise BenchError(f"resume exited with {process.returncode} (output: {output})")
                 if time.time() - started > timeout:
@@ -102,7 +104,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)  # no final checkpoint over the moved copy
             process.wait()
-    resumed = read_events(run_dir / "logs", "resume")
+    resumed = events_of(run_dir, "resume")
     if not resumed:
         raise BenchError(f"the run did not resume (output: {output})")
     return {

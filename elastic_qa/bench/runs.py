@@ -7,7 +7,6 @@ benchmark adds nothing to the loop it measures.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import statistics
@@ -22,6 +21,7 @@ from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
+from elastic_qa.observe.follow import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 NO_CHECKPOINTS = "checkpoint.interval=1000h"  # the final checkpoint still happens, after the last step
@@ -66,8 +66,11 @@ def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
     ]
 
 
-def run_logged(name: str, command: list[str], log_path: Path, env: dict[str, str], timeout: float) -> None:
-    """Run to completion with all output in `log_path`; a failure names its last line and the log."""
+def run_logged(
+    name: str, command: list[str], log_path: Path, env: dict[str, str], timeout: float, check: bool = True
+) -> None:
+    """Run to completion with all output in `log_path`; a failure (a non-zero exit when `check`, or a
+    timeout) names its last line and the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
         try:
@@ -76,23 +79,18 @@ def run_logged(name: str, command: list[str], log_path: Path, env: dict[str, str
             ).returncode
         except subprocess.TimeoutExpired:
             raise BenchError(f"{name} did not finish within {timeout:.0f} s (output: {log_path})") from None
-    if code != 0:
+    if check and code != 0:
         lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
         raise BenchError(f"{name} exited with {code}: {lines[-1] if lines else ''} (output: {log_path})")
 
 
-def read_events(log_dir: Path, event: str | None = None, rank: int | None = 0) -> list[dict[str, Any]]:
-    """Events from a run's JSON-lines logs, oldest first (by `ts`), optionally of one event and rank."""
-    rows = []
-    for path in sorted(Path(log_dir).glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-            if (event is None or row.get("event") == event) and (rank is None or row.get("rank") == rank):
-                rows.append(row)
-    return sorted(rows, key=lambda row: row.get("ts", 0.0))
+def events_of(run_dir: Path, event: str, rank: int | None = 0) -> list[dict[str, Any]]:
+    """One kind of event from a run's logs, oldest first, from one rank (None: all)."""
+    return [
+        row
+        for row in read_events(run_dir)
+        if row.get("event") == event and (rank is None or row.get("rank") == rank)
+    ]
 
 
 def window_steps(total: int, every: int, skip: float) -> tuple[int, int]:
@@ -184,15 +182,15 @@ def run_product(
         timeout=300 + 2 * spec.steps,
     )
     window = spec.window
-    stamps = {row["step"]: row["ts"] for row in read_events(run_dir / "logs", "step")}
+    stamps = {row["step"]: row["ts"] for row in events_of(run_dir, "step")}
     rate = steps_per_s(stamps, window)
     start, end = stamps[window[0]], stamps[window[1]]
     # Breakdowns whose whole averaging window lies in the steady state (else the last one there is).
-    breakdowns = read_events(run_dir / "logs", "step_breakdown")
+    breakdowns = events_of(run_dir, "step_breakdown")
     steady = [row for row in breakdowns if row["step"] - row["steps"] >= window[0]] or breakdowns[-1:]
     checkpoints = [
         row
-        for row in read_events(run_dir / "logs", "checkpoint_committed")
+        for row in events_of(run_dir, "checkpoint_committed")
         if row.get("reason") == "periodic" and start < row["ts"] <= end
     ]
     chunk = median_chunk_step_s(stamps, window, spec.every)

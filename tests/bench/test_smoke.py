@@ -104,6 +104,26 @@ def test_scaling(tmp_path: Path, cache_dir: Path) -> None:
         assert world["comm_share"] is None or 0 <= world["comm_share"]["median"] <= 1
 
 
+def test_drift(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path,
+        "drift",
+        "--world-sizes",
+        "2",
+        "--steps",
+        "6",
+        "--every",
+        "3",
+        "--resize",
+        "1:2",
+        f"data.cache_dir={cache_dir}",
+    )
+    table = result["relative_difference"]
+    assert set(table) == {"2", "1->2"}
+    for differences in table.values():
+        assert set(differences) == {"3", "6"} and all(0 <= d < 1e-3 for d in differences.values())
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -113,6 +133,8 @@ def test_scaling(tmp_path: Path, cache_dir: Path) -> None:
         ["scaling", "--world-sizes", "one"],
         ["checkpoint", "--models", "huge"],
         ["resume", "--positions", "100"],
+        ["drift", "--resize", "2to3"],
+        ["drift", "--config", "tiny", "model.nosuch=1"],
         ["throughput", "--config", "tiny", "train.nosuch=1"],
     ],
 )
