@@ -135,16 +135,15 @@ class Checkpointer:
                 raise CheckpointError(f"{path} failed verification right after writing: {verdict.reason}")
             self.last_committed_step = step
             self._failures = 0
+            seconds = time.perf_counter() - started  # read once: a sync save's stall is all of it
             self.log.info(
                 "checkpoint_committed",
                 step=step,
                 path=self.store.display(path),
                 reason=reason,
                 bytes=sum(len(b) for b in files.values()),
-                seconds=round(time.perf_counter() - started, 4),
-                blocking_seconds=round(
-                    time.perf_counter() - started if blocking_seconds is None else blocking_seconds, 4
-                ),
+                seconds=round(seconds, 4),
+                blocking_seconds=round(seconds if blocking_seconds is None else blocking_seconds, 4),
             )
             self.prune(keep=step)
         except StaleWriterError as err:
