@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -70,17 +71,36 @@ def set_threads(requested: int, ctx: DistContext) -> int:
 
 
 class CommTimer:
-    """Seconds spent in gradient all-reduce, summed over buckets, as seen by a timing DDP comm hook.
+    """Wall seconds during which at least one gradient bucket's all-reduce was in flight.
 
+    Buckets can be in flight together (a backend may run several collectives at once), so the time
+    is the union of their intervals, never their sum: it cannot exceed the wall time it was taken over.
     Buckets are reduced while backward still computes, so this is communication time, not all of it
     exposed; a rank that waits for a slower peer also shows the wait here.
     """
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._in_flight = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    def started(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def finished(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.seconds += time.perf_counter() - self._since
 
     def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
+        """The seconds counted since the last take (an interval still open is counted when it closes)."""
+        with self._lock:
+            seconds, self.seconds = self.seconds, 0.0
         return seconds
 
 
@@ -94,10 +114,10 @@ _HOOKS = {
 def _timed_hook(state, bucket):  # no annotations: DDP checks them and string annotations fail the check
     """All-reduce one gradient bucket with the configured hook, adding its duration to the CommTimer."""
     timer, inner = state
-    started = time.perf_counter()
+    timer.started()
 
     def finished(future):
-        timer.seconds += time.perf_counter() - started
+        timer.finished()
         return future.value()
 
     return inner(None, bucket).then(finished)

@@ -1,0 +1,213 @@
+"""Step-time breakdown and diagnosis: what each rank logs, and when rank 0 calls a run data-, communication-
+or straggler-bound. Time is a fake clock the test advances, so the shares are exact on any machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_qa import dist as dist_module
+from elastic_qa.dist import CommTimer, DistContext
+from elastic_qa.observe import breakdown as breakdown_module
+from elastic_qa.observe.breakdown import StepTimer
+
+CPU = torch.device("cpu")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Recorder:
+    """Stands in for the structlog logger and the console: keeps what they were told."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.events.append({"event": event, "level": "info", **fields})
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.events.append({"event": event, "level": "warning", **fields})
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+    def findings(self) -> list[str]:
+        return [e["finding"] for e in self.named("diagnosis")]
+
+
+def use_clock(monkeypatch: pytest.MonkeyPatch | None = None) -> Clock:
+    clock = Clock()
+    fake = SimpleNamespace(perf_counter=clock.perf_counter)
+    if monkeypatch is None:  # in a spawned process: nothing to restore
+        breakdown_module.time = fake
+        dist_module.time = fake
+    else:
+        monkeypatch.setattr(breakdown_module, "time", fake)
+        monkeypatch.setattr(dist_module, "time", fake)
+    return clock
+
+
+def run_step(
+    timer: StepTimer,
+    clock: Clock,
+    step: int,
+    ctx: DistContext,
+    log: Recorder,
+    *,
+    data: float = 0.0,
+    compute: float = 0.1,
+    comm: float = 0.0,
+    optimizer: float = 0.0,
+    other: float = 0.0,
+    console: Recorder | None = None,
+) -> None:
+    """One step the way the trainer marks it; `comm` seconds of all-reduce overlap the end of backward."""
+    timer.start_step(step)
+    clock.advance(data)
+    timer.mark("data")
+    clock.advance(compute - comm)
+    if comm:
+        timer.comm.started()
+        clock.advance(comm)
+        timer.comm.finished()
+    timer.mark("forward_backward")
+    clock.advance(optimizer)
+    timer.mark("optimizer")
+    timer.mark("log_and_save")
+    clock.advance(other)
+    timer.finish_step(ctx, None, log, console)
+
+
+def single() -> DistContext:
+    return DistContext(0, 1, 0, CPU, None, 1)
+
+
+def test_comm_time_is_the_union_of_bucket_intervals_not_their_sum(monkeypatch) -> None:
+    clock = use_clock(monkeypatch)
+    timer = CommTimer()
+    timer.started()  # bucket A: 0 .. 3
+    clock.advance(1)
+    timer.started()  # bucket B: 1 .. 4, queued behind A
+    clock.advance(2)
+    timer.finished()
+    clock.advance(1)
+    timer.finished()
+    clock.advance(5)  # idle: not communication
+    timer.started()  # bucket C: 9 .. 9.5
+    clock.advance(0.5)
+    timer.finished()
+
+    assert timer.take() == pytest.approx(4.5)  # the sum of durations would be 3 + 3 + 0.5 = 6.5
+    assert timer.take() == 0.0
+
+
+def test_every_reporting_step_logs_the_breakdown_of_the_window(monkeypatch) -> None:
+    clock = use_clock(monkeypatch)
+    timer, log = StepTimer(CPU, 4, CommTimer()), Recorder()
+    for step in range(1, 9):
+        run_step(
+            timer, clock, step, single(), log, data=0.01, compute=0.1, comm=0.02, optimizer=0.03, other=0.06
+        )
+
+    rows = log.named("step_breakdown")
+    assert [r["step"] for r in rows] == [4, 8] and all(r["steps"] == 4 for r in rows)
+    row = rows[-1]
+    assert row["step_s"] == pytest.approx(0.2)
+    assert row["data_s"] == pytest.approx(0.01) and row["forward_backward_s"] == pytest.approx(0.1)
+    assert row["comm_s"] == pytest.approx(0.02) and row["optimizer_s"] == pytest.approx(0.03)
+    assert row["other_s"] == pytest.approx(0.06)
+    assert row["data_share"] == pytest.approx(0.05) and row["comm_share"] == pytest.approx(0.1)
+    assert row["peak_memory_mb"] > 0
+    assert log.findings() == []  # 5% data, 10% communication: below both thresholds
+
+
+def test_a_checkpoint_stall_is_reported_per_step_of_its_window(monkeypatch) -> None:
+    clock = use_clock(monkeypatch)
+    timer, log = StepTimer(CPU, 2, CommTimer()), Recorder()
+    run_step(timer, clock, 1, single(), log)
+    timer.add_stall(0.004)
+    run_step(timer, clock, 2, single(), log)
+    run_step(timer, clock, 3, single(), log)
+    run_step(timer, clock, 4, single(), log)
+
+    assert [r["checkpoint_stall_s"] for r in log.named("step_breakdown")] == pytest.approx([0.002, 0.0])
+
+
+@pytest.mark.parametrize(
+    ("phases", "expected"),
+    [
+        ({"data": 0.03, "compute": 0.1}, ["data-bound"]),  # 23% data wait
+        ({"data": 0.01, "compute": 0.1}, []),  # 9%
+        ({"compute": 0.1, "comm": 0.05}, ["communication-bound"]),  # 50% in all-reduce
+        ({"compute": 0.1, "comm": 0.015}, []),  # 15%
+        ({"data": 0.05, "compute": 0.1, "comm": 0.08}, ["data-bound", "communication-bound"]),
+    ],
+    ids=["data-bound", "data-fine", "comm-bound", "comm-fine", "both"],
+)
+def test_rank_0_names_what_bounds_the_run(monkeypatch, phases: dict[str, float], expected: list[str]) -> None:
+    clock = use_clock(monkeypatch)
+    timer, log, console = StepTimer(CPU, 1, CommTimer()), Recorder(), Recorder()
+    for step in range(1, 4):
+        run_step(timer, clock, step, single(), log, console=console, **phases)
+
+    kinds = [finding.split(":")[0] for finding in log.findings()]
+    assert kinds == expected * 3  # logged at every reporting step...
+    assert [line.split(": ", 1)[1].split(":")[0] for line in console.lines] == expected  # ...printed once
+
+
+def test_the_console_hears_again_of_a_finding_that_went_away_and_came_back(monkeypatch) -> None:
+    clock = use_clock(monkeypatch)
+    timer, log, console = StepTimer(CPU, 1, CommTimer()), Recorder(), Recorder()
+    for step, data in enumerate([0.05, 0.05, 0.0, 0.05], start=1):
+        run_step(timer, clock, step, single(), log, console=console, data=data)
+
+    assert len(console.lines) == 2 and all("data-bound" in line for line in console.lines)
+    assert "raise data.num_workers" in console.lines[0]
+
+
+def _straggler_rank(rank: int, world: int, store_path: str, out: str) -> None:
+    """One rank of a real gloo group: rank 1 computes three times as long as rank 0 for three windows."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        clock = use_clock()
+        timer, log, console = StepTimer(CPU, 1, CommTimer()), Recorder(), Recorder()
+        ctx = DistContext(rank, world, rank, CPU, "gloo", world)
+        for step in range(1, 4):
+            run_step(timer, clock, step, ctx, log, compute=0.3 if rank == 1 else 0.1, console=console)
+            log.info("window_done", step=step)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"events": log.events, "lines": console.lines}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggler(tmp_path: Path) -> None:
+    mp.spawn(_straggler_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    steps = [(e["step"], e["finding"]) for e in rank0["events"] if e["event"] == "diagnosis"]
+    assert [step for step, _ in steps] == [2, 3]  # one slow window is noise, two running is a straggler
+    assert all(finding.startswith("straggler: rank 1 ") for _, finding in steps)
+    assert len(rank0["lines"]) == 1 and "straggler: rank 1" in rank0["lines"][0]
+    assert not any(e["event"] == "diagnosis" for e in rank1["events"])  # only rank 0 diagnoses
+    assert [e["step"] for e in rank1["events"] if e["event"] == "step_breakdown"] == [1, 2, 3]
