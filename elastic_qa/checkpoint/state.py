@@ -57,7 +57,9 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only (init_distributed made it current): after a regroup the rank may sit
+        # on another local device, and its generator state must follow it there.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -67,8 +69,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if isinstance(state.get("cuda"), torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])  # the current device: this rank's
 
 
 def check_safe(obj: Any, where: str = "state") -> None:

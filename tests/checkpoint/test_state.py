@@ -51,6 +51,31 @@ def test_rng_states_survive_a_weights_only_roundtrip_and_repeat_the_same_draws()
     assert torch.equal(again[3], expected[3])
 
 
+def test_on_cuda_only_the_current_device_generator_is_saved_and_restored(monkeypatch) -> None:
+    """A regrouped rank may sit on another local GPU: its own generator state must follow it, and no
+    other device is touched (a fake torch.cuda: no GPU here)."""
+    touched: list[tuple[str, Any]] = []
+    state_of_current = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda device="cuda": touched.append(("get", device)) or state_of_current
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device="cuda": touched.append(("set", device, state))
+    )
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("read every device's generator"))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state_all", lambda states: pytest.fail("set every device's generator")
+    )
+
+    saved = weights_only_roundtrip(rng_state())
+    set_rng_state(saved)
+
+    assert torch.equal(saved["cuda"], state_of_current)
+    assert touched[0] == ("get", "cuda") and touched[1][:2] == ("set", "cuda")
+    assert torch.equal(touched[1][2], state_of_current)
+
+
 def test_restoring_one_rng_state_twice_gives_the_same_draws_twice() -> None:
     state = weights_only_roundtrip(rng_state())
     set_rng_state(state)
