@@ -16,7 +16,7 @@ from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, load_config, packaged_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
-from elastic_qa.dist import init_distributed, set_threads, shutdown
+from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.trainer import EXIT_REGROUP, PeerFailure, ResumeError, Trainer
@@ -124,4 +124,4 @@ def _restart_count() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
+from elastic_qa.dist import exit_process
 from elastic_qa.model import SpanQA, span_loss
 from elastic_qa.trainer import build_optimizer
 
@@ -148,4 +148,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
