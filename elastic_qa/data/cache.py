@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -27,8 +27,9 @@ from elastic_qa.data.squad import Answer, DataError, QAExample, decode_json, par
 from elastic_qa.data.tokenizer import tokenizer_for
 from elastic_qa.observe.log import get_logger
 
-# Bump when features.py, tokenizer.py or synthetic.py change what they produce.
-CACHE_FORMAT = 4
+# Bump when features.py, tokenizer.py, squad.py or synthetic.py change what they produce.
+# 5: int32 answer positions; duplicate question ids refused (or skipped).
+CACHE_FORMAT = 5
 
 
 @dataclass
@@ -39,6 +40,7 @@ class PreparedData:
     eval: Features | None
     eval_examples: list[QAExample]
     vocab_size: int
+    skipped: dict[str, int] = field(default_factory=dict)  # malformed records skipped, per split
 
 
 def _settings(cfg: DataConfig) -> dict:
@@ -55,8 +57,8 @@ def _settings(cfg: DataConfig) -> dict:
     }
 
 
-def _load_sources(cfg: DataConfig) -> tuple[dict, dict[str, list[QAExample]]]:
-    """Identity of the inputs (for the key) and the parsed examples per split."""
+def _load_sources(cfg: DataConfig) -> tuple[dict, dict[str, list[QAExample]], dict[str, int]]:
+    """Identity of the inputs (for the key), the parsed examples and the skipped records per split."""
     if cfg.source == "synthetic":
         syn = cfg.synthetic
         identity = {"synthetic": asdict(syn)}
@@ -64,15 +66,15 @@ def _load_sources(cfg: DataConfig) -> tuple[dict, dict[str, list[QAExample]]]:
             "train": synthetic.generate("train", syn.train_examples, syn.seed, syn.unanswerable_fraction),
             "eval": synthetic.generate("eval", syn.eval_examples, syn.seed, syn.unanswerable_fraction),
         }
-        return identity, splits
-    identity, splits = {}, {}
+        return identity, splits, {}
+    identity, splits, skipped = {}, {}, {}
     for split, url in (("train", cfg.source), ("eval", cfg.eval_source)):
         if not url:
             continue
         raw = read_bytes(url)
         identity[split] = hashlib.sha256(raw).hexdigest()
-        splits[split] = parse_squad(decode_json(raw, url), url, cfg.skip_malformed)[0]
-    return identity, splits
+        splits[split], skipped[split] = parse_squad(decode_json(raw, url), url, cfg.skip_malformed)
+    return identity, splits, skipped
 
 
 def content_hash(url: str, root: Path) -> str:
@@ -150,28 +152,38 @@ def _examples_from_json(rows: list[dict]) -> list[QAExample]:
 
 
 def _build(cfg: DataConfig, key: str, final: Path) -> None:
+    """Build under the key's lock: any `<key>.tmp-*` left is from a builder that died (SIGKILL)."""
     started = time.perf_counter()
-    identity, splits = _load_sources(cfg)
+    identity, splits, skipped = _load_sources(cfg)
     tokenizer = tokenizer_for(cfg)
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     staging = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     counts = {}
-    for split, examples in splits.items():
-        features = build_features(examples, tokenizer, cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
-        _write_split(staging / split, features)
-        counts[split] = {"examples": len(examples), "windows": len(features)}
-    if "eval" in splits:
-        (staging / "eval_examples.json").write_text(json.dumps(_examples_to_json(splits["eval"])))
-    meta = {
-        "key": key,
-        "inputs": identity,
-        "settings": _settings(cfg),
-        "counts": counts,
-        "vocab_size": tokenizer.vocab_size,
-    }
-    (staging / "meta.json").write_text(json.dumps(meta, indent=1))
-    os.replace(staging, final)
+    try:  # whatever stops the build (bad data, a full disk, Ctrl-C) takes its half-written files along
+        for split, examples in splits.items():
+            features = build_features(examples, tokenizer, cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
+            _write_split(staging / split, features)
+            counts[split] = {
+                "examples": len(examples),
+                "windows": len(features),
+                "skipped": skipped.get(split, 0),
+            }
+        if "eval" in splits:
+            (staging / "eval_examples.json").write_text(json.dumps(_examples_to_json(splits["eval"])))
+        meta = {
+            "key": key,
+            "inputs": identity,
+            "settings": _settings(cfg),
+            "counts": counts,
+            "vocab_size": tokenizer.vocab_size,
+        }
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     get_logger().info(
         "cache_built",
         path=str(final),
@@ -207,8 +219,9 @@ def prepare(cfg: DataConfig) -> PreparedData:
             eval=_read_split(final / "eval") if (final / "eval").exists() else None,
             eval_examples=eval_examples,
             vocab_size=int(meta["vocab_size"]),
+            skipped={split: int(c.get("skipped", 0)) for split, c in meta.get("counts", {}).items()},
         )
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise DataError(
             f"feature cache {final} is damaged ({err}); delete that directory to rebuild"
         ) from None

@@ -22,8 +22,8 @@ class Features:
 
     input_ids: np.ndarray  # int32 [N, L], PAD after the last token
     segment_ids: np.ndarray  # int8 [N, L]: 0 question, 1 context
-    start_positions: np.ndarray  # int16 [N]
-    end_positions: np.ndarray  # int16 [N]
+    start_positions: np.ndarray  # int32 [N]: any max_seq_len DataConfig accepts (int16 stopped at 32767)
+    end_positions: np.ndarray  # int32 [N]
     example_index: np.ndarray  # int32 [N]: which example a window came from
     offsets: np.ndarray  # int32 [N, L, 2]: character span of context tokens, -1 elsewhere
 
@@ -84,8 +84,8 @@ def build_features(
     return Features(
         input_ids=np.asarray(rows_ids, dtype=np.int32),
         segment_ids=np.asarray(rows_seg, dtype=np.int8),
-        start_positions=np.asarray(starts, dtype=np.int16),
-        end_positions=np.asarray(ends, dtype=np.int16),
+        start_positions=np.asarray(starts, dtype=np.int32),
+        end_positions=np.asarray(ends, dtype=np.int32),
         example_index=np.asarray(owners, dtype=np.int32),
         offsets=np.asarray(rows_off, dtype=np.int32).reshape(len(rows_ids), max_seq_len, 2),
     )

@@ -21,6 +21,7 @@ NUM_SPECIAL = 4
 # Han, Hiragana/Katakana, Hangul syllables and the CJK punctuation block: one character, one token.
 _CJK = "\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef"
 _WORD_PATTERN = re.compile(rf"[{_CJK}]|[^\W{_CJK}]+|[^\w\s]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 class Tokenizer(Protocol):
@@ -46,7 +47,10 @@ class WordTokenizer:
         token_id = self._ids.get(word)
         if token_id is None:
             key = word.lower() if self.lowercase else word
-            token_id = NUM_SPECIAL + zlib.crc32(key.encode("utf-8")) % (self.vocab_size - NUM_SPECIAL)
+            # surrogatepass: a lone surrogate (from a command-line argument, say) hashes instead of raising
+            token_id = NUM_SPECIAL + zlib.crc32(key.encode("utf-8", "surrogatepass")) % (
+                self.vocab_size - NUM_SPECIAL
+            )
             self._ids[word] = token_id
         return token_id
 
@@ -65,14 +69,17 @@ class ByteTokenizer:
     vocab_size = NUM_SPECIAL + 256
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        ids, spans = [], []
-        for index, char in enumerate(text):
-            if char.isspace():
-                continue
-            for byte in char.encode("utf-8"):
-                ids.append(NUM_SPECIAL + byte)
-                spans.append((index, index + 1))
-        return ids, spans
+        try:
+            ids, spans = [], []
+            for index, char in enumerate(text):
+                if char.isspace():
+                    continue
+                for byte in char.encode("utf-8"):
+                    ids.append(NUM_SPECIAL + byte)
+                    spans.append((index, index + 1))
+            return ids, spans
+        except UnicodeEncodeError:  # a lone surrogate (from a command-line argument, say) reads as U+FFFD
+            return self.encode(_LONE_SURROGATE.sub("\ufffd", text))
 
 
 def tokenizer_for(cfg: DataConfig) -> Tokenizer:

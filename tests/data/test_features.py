@@ -40,8 +40,8 @@ def test_columns_have_the_documented_shapes_and_dtypes():
     assert n >= 20
     assert features.input_ids.shape == (n, 64) and features.input_ids.dtype == np.int32
     assert features.segment_ids.shape == (n, 64) and features.segment_ids.dtype == np.int8
-    assert features.start_positions.shape == (n,) and features.start_positions.dtype == np.int16
-    assert features.end_positions.dtype == np.int16
+    assert features.start_positions.shape == (n,) and features.start_positions.dtype == np.int32
+    assert features.end_positions.dtype == np.int32
     assert features.example_index.dtype == np.int32
     assert features.offsets.shape == (n, 64, 2) and features.offsets.dtype == np.int32
     assert sorted(set(features.example_index.tolist())) == list(range(20))
