@@ -40,7 +40,26 @@ class DistContext:
 
 
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """Whether the environment describes a process group (torchrun's, or RANK/WORLD_SIZE set by hand)."""
+    return under_torchrun_agent() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def under_torchrun_agent() -> bool:
+    """Whether a torchrun agent started this process: it sets TORCHELASTIC_RUN_ID for its workers, and
+    only then is there an agent to regroup the workers after one of them stops."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def torchrun_agent_pid() -> int | None:
+    """The pid of the live torchrun agent that started this process (its parent), else None.
+
+    Call it at start-up, before the agent can have died. A parent that is pid 1 is no agent to watch:
+    either the process was re-parented already (to init) or the agent is the container's init, whose
+    end ends every process in it. A parent that is a subreaper cannot be told from outside, but neither
+    does it change while the process lives, which is all the watchdog looks for.
+    """
+    parent = os.getppid()
+    return parent if under_torchrun_agent() and parent > 1 else None
 
 
 def init_distributed(cfg: DistConfig) -> DistContext:

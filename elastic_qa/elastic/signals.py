@@ -1,8 +1,10 @@
-"""SIGTERM -> finish the step, save, leave. The handler only sets a flag; the loop acts on it.
+"""SIGTERM, SIGINT, SIGHUP -> finish the step, save, leave. The handler only sets a flag; the loop acts on it.
 
 torchrun's agent sends SIGTERM when it restarts the worker group (a node joined or failed) and when it is
 itself stopped (preemption); SIGKILL follows 30 s later. A worker that saves within that window loses no
-completed step.
+completed step. SIGHUP (the terminal or SSH session of a run started by hand closed) is a request to stop
+like the others: by default it killed the process on the spot, losing every step since the last save.
+The agent watchdog asks for a stop through the same flag when the worker's agent dies.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import time
 from types import FrameType
 from typing import Any
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 class StopRequest:
-    """A stop flag set by SIGTERM/SIGINT (or by `request`), read by the training loop.
+    """A stop flag set by SIGTERM/SIGINT/SIGHUP (or by `request`), read by the training loop.
 
     The handler runs in the main thread between two bytecodes, possibly while that thread holds a lock
     (the log writer's, an Event's condition): it must take none, so it only assigns attributes, and the
@@ -27,10 +31,14 @@ class StopRequest:
         self._requested = False
         self._noticed = False
         self.signal_name: str | None = None
+        self.signum: int | None = None  # the first signal that asked for the stop; None for `request`
         self.received_ts: float | None = None
         self._previous: dict[int, Any] = {}
 
-    def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        # Python starts with SIGPIPE ignored (a write to a closed pipe raises EPIPE, which the console and
+        # the log writer drop); make sure no library has put back the default, which kills silently.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -42,12 +50,15 @@ class StopRequest:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if not self._requested:  # plain attribute stores: no lock, no I/O
             self.signal_name = signal.Signals(signum).name
+            self.signum = signum
             self.received_ts = time.time()
         self._requested = True
 
     def request(self, reason: str) -> None:
-        self.signal_name = self.signal_name or reason
-        self.received_ts = self.received_ts or time.time()
+        """Ask for a stop from code (a thread may call this: it only stores attributes)."""
+        if not self._requested:
+            self.signal_name = reason
+            self.received_ts = time.time()
         self._requested = True
 
     @property

@@ -1,7 +1,13 @@
-"""Rank-0 console output: a one-line progress bar on a TTY, plain lines otherwise."""
+"""Rank-0 console output: a one-line progress bar on a TTY, plain lines otherwise.
+
+Output is a courtesy, never a reason to stop: a terminal that went away (EIO after the SSH session
+closed) or a pipe whose reader quit (EPIPE, e.g. `train | head`) would otherwise raise out of the step
+logging and end the run without a save. Such writes are dropped.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TextIO
@@ -11,7 +17,7 @@ class Console:
     def __init__(self, mode: str, total_steps: int, enabled: bool, stream: TextIO = sys.stdout) -> None:
         self.enabled = enabled and mode != "none"
         self.stream = stream
-        self.bar = mode == "progress" or (mode == "auto" and stream.isatty())
+        self.bar = mode == "progress" or (mode == "auto" and _isatty(stream))
         self.total = total_steps
         self.started = time.monotonic()
         self.first_step: int | None = None
@@ -28,15 +34,31 @@ class Console:
         if self.bar:
             width = 24
             filled = int(width * step / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
+            self._write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
         else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            self._write(text + "\n")
 
     def line(self, text: str) -> None:
         if not self.enabled:
             return
-        if self.bar:
-            self.stream.write("\r\033[K")
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self._write(("\r\033[K" if self.bar else "") + text + "\n")
+
+    def _write(self, text: str) -> None:
+        print_safely(text, self.stream, end="")
+
+
+def print_safely(text: str, stream: TextIO | None = None, end: str = "\n") -> bool:
+    """Write and flush `text`; False, and nothing raised, when the stream is gone (EPIPE, EIO, closed)."""
+    stream = stream if stream is not None else sys.stdout
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(text + end)
+        stream.flush()
+        return True
+    return False
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every JSON log line of a run, in time order (the torn last line of a killed writer is skipped)."""
+    """Every JSON log line of a run, in time order (torn lines of a killed writer or full disk skipped)."""
     follower = LogFollower(Path(run_dir) / "logs")
     return sorted(follower.new_events(), key=lambda row: row.get("ts", 0.0))
 
@@ -29,9 +29,11 @@ class LogFollower:
             self._offsets[path] = offset + complete
             for line in chunk[:complete].splitlines():
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
+                    row = json.loads(line)
+                except ValueError:  # a torn line: not JSON, or cut inside a UTF-8 sequence
                     continue
+                if isinstance(row, dict):
+                    rows.append(row)
         return rows
 
 

@@ -184,19 +184,28 @@ def test_a_checkpoint_that_does_not_fit_stops_the_job_with_exit_2(tmp_path: Path
     assert (run_dir / "checkpoints" / "step-00000005" / "manifest.json").exists()
 
 
-def test_a_worker_whose_agent_died_stops_within_two_seconds(
+def test_a_worker_whose_agent_died_stops_the_group_saves_and_leaves_within_the_grace(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
     run_dir = tmp_path / "run"
     job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", agents=2)
-    job.wait_for_step(10)
+    at_kill = job.wait_for_step(10)
     victim = next(a for a in job.live_agents() if not a["is_host"])
     (orphan,) = job.workers(victim)
     os.kill(victim["pid"], signal.SIGKILL)  # the agent alone: its worker is orphaned
     killed = time.monotonic()
-    while is_alive(orphan) and time.monotonic() - killed < 10:
+    while is_alive(orphan) and time.monotonic() - killed < 60:
         time.sleep(0.05)
-    assert time.monotonic() - killed <= 2.0
+    orphan_left_s = time.monotonic() - killed
     assert finish(job) == 0
-    result = assert_nothing_lost(run_dir, reference, max_lost=1)
-    assert any(e["event"] == "agent_lost" for e in result["events"])
+    result = assert_nothing_lost(run_dir, reference, max_lost=0)
+    events = result["events"]
+    assert any(e["event"] == "agent_lost" and e["pid"] == orphan for e in events)
+    # The orphan's stop reached the whole group: rank 0 committed the stop's step, no emergency was needed.
+    stops = [e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "sigterm"]
+    assert stops and stops[0]["step"] >= at_kill
+    # Seen within one check interval, then stopped and saved, or a hard exit when the grace ran out; plus
+    # a second for scheduling on a loaded box.
+    dist = load_config(run_dir).dist
+    bound = dist.agent_check_interval.total_seconds() + dist.agent_lost_grace.total_seconds() + 1.0
+    assert orphan_left_s <= bound
