@@ -11,6 +11,10 @@ its own log file under <run.dir>/agents/. Two torch 2.13 traps are handled here 
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly one same-host agent is `is_host=1` (it holds the c10d
 store). The job description is kept in <run.dir>/launch.json so that join/leave/stop find it.
 Each action is logged as one JSON line on stderr and in <run.dir>/agents/launch.jsonl.
+
+Every agent is on this host, so everything the job listens on is kept on loopback (see `loopback_env`
+and launch/loopback.py). With run.private=true the launcher, its agents and their workers create files
+readable by their owner only.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ MAX_RESTARTS = 100
 CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
 EXIT_BAD_INPUT = 2
 WORKER_MODULE = "elastic_qa.train"
+LOOPBACK = "127.0.0.1"
+# Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
+ON_LOOPBACK = str(Path(__file__).resolve().with_name("loopback.py"))
+PRIVATE_UMASK = 0o077
 
 
 def log_action(run_dir: Path | None, event: str, **fields) -> None:
@@ -91,19 +99,23 @@ def write_job(run_dir: Path, job: dict) -> None:
 
 
 def agent_command(job: dict, is_host: bool) -> list[str]:
+    """torchrun, and each worker it starts, run through launch/loopback.py: their stores bind loopback."""
     return [
         sys.executable,
-        "-m",
+        ON_LOOPBACK,
         "torch.distributed.run",
         f"--nnodes={job['min']}:{job['max']}",
         f"--nproc_per_node={job['nproc_per_node']}",
         "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{job['port']}",
+        f"--rdzv_endpoint={LOOPBACK}:{job['port']}",
         f"--rdzv_id={job['run_id']}",
         f"--rdzv_conf=is_host={int(is_host)},{RDZV_CONF}",
         f"--max-restarts={job['max_restarts']}",
         f"--monitor-interval={MONITOR_INTERVAL}",
-        "-m",
+        # The workers' MASTER_ADDR (rank 0's store), instead of this host's name.
+        f"--local_addr={LOOPBACK}",
+        # Each worker is `python -u ON_LOOPBACK MODULE ...`: `python -m MODULE ...`, its store on loopback.
+        ON_LOOPBACK,
         job.get("module", WORKER_MODULE),  # launch.json files written before --module existed lack it
         "--config",
         job["config"],
@@ -111,12 +123,32 @@ def agent_command(job: dict, is_host: bool) -> list[str]:
     ]
 
 
+def loopback_env() -> dict[str, str]:
+    """Environment that keeps the collectives' own listening sockets on loopback.
+
+    gloo listens on the address of the interface GLOO_SOCKET_IFNAME names, else on the address this
+    host's name resolves to (often a LAN address); nccl's bootstrap on NCCL_SOCKET_IFNAME, else on the
+    first non-loopback interface. Every rank of a local job is on this host, so loopback serves them all.
+    """
+    names = {name for _, name in socket.if_nameindex()}
+    interface = next((name for name in ("lo", "lo0") if name in names), None)
+    if interface is None:  # no interface by a loopback name: leave the choice to gloo and nccl
+        return {}
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
+
+
+def use_private_umask(private: bool) -> None:
+    """run.private: every file and directory this process and its children create is owner-only."""
+    if private:
+        os.umask(PRIVATE_UMASK)
+
+
 def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
     index = len(job["agents"])
     is_host = index == 0
     log_path = run_dir / "agents" / f"agent-{index}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **loopback_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     handle = open(log_path, "ab")  # noqa: SIM115 - owned by the agent process
@@ -170,6 +202,7 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
 
 def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_inputs(args.config, args.overrides)
+    use_private_umask(cfg.run.private)  # before the run dir, launch.json and the agents' logs exist
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "launch.json").exists() and any(alive(a["pid"]) for a in read_job(run_dir)["agents"]):
@@ -185,6 +218,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         "config": args.config,
         "overrides": args.overrides,
         "module": args.module,
+        "private": cfg.run.private,  # join/leave/stop write files too
         "agents": [],
     }
     log_action(
@@ -260,6 +294,7 @@ def print_result(run_dir: Path) -> None:
 def cmd_join(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     job = read_job(run_dir)
+    use_private_umask(job.get("private", False))
     live = [a for a in job["agents"] if alive(a["pid"])]
     if not live:
         print(f"launch: no agent of {run_dir} is running", file=sys.stderr)
@@ -274,6 +309,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_leave(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     job = read_job(run_dir)
+    use_private_umask(job.get("private", False))
     live = [a for a in job["agents"] if alive(a["pid"])]
     candidates = (
         [a for a in live if a["index"] == args.agent]
@@ -291,7 +327,9 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    for agent in read_job(run_dir)["agents"]:
+    job = read_job(run_dir)
+    use_private_umask(job.get("private", False))
+    for agent in job["agents"]:
         if alive(agent["pid"]):
             os.kill(agent["pid"], signal.SIGTERM)
             log_action(run_dir, "agent_stop", agent=agent["index"], pid=agent["pid"])

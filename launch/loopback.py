@@ -1,0 +1,124 @@
+"""Run a Python module with the TCP stores it hosts listening on loopback only.
+
+    python launch/loopback.py MODULE [ARGS ...]     # what `python -m MODULE ARGS ...` does, plus this
+
+Why: a torch 2.13 TCPStore server listens on every interface ("::", dual stack) whatever host it is
+given: the host only tells clients where to connect, and no environment variable changes the bind. Its
+protocol has no authentication, and torch's c10d rendezvous unpickles the state it reads from the store,
+so anyone who can reach the port can read and write the job's keys. The one way torch offers to choose
+the address is `master_listen_fd`: a socket the caller has already bound. The local launcher runs every
+torchrun agent and every worker through this module, so the two stores of a local job, the c10d
+rendezvous store in the `is_host=1` agent and rank 0's worker store at MASTER_ADDR:MASTER_PORT, are
+bound to the loopback address they are given (the launcher gives 127.0.0.1 everywhere).
+
+Only servers asked for on a loopback IP literal are changed; any other host keeps torch's behaviour, so
+this changes nothing for a multi-node job. torch's installed files are not touched: the module globals
+through which torch creates those two stores are pointed at a subclass (see `install`).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import ipaddress
+import os
+import runpy
+import socket
+import sys
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+
+def loopback_listener(host: str, port: int) -> socket.socket | None:
+    """A socket bound to (host, port) when host is a loopback IP address; None for any other host."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name: which address clients reach it by is not ours to guess
+        return None
+    if not address.is_loopback:
+        return None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own bind does
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+class LoopbackTCPStore(TCPStore):
+    """A TCPStore whose server, when asked for on a loopback address, listens on that address only."""
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: timedelta = timedelta(seconds=300),
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+    ) -> None:
+        options = {
+            "world_size": world_size,
+            "is_master": is_master,
+            "timeout": timeout,
+            "wait_for_workers": wait_for_workers,
+            "multi_tenant": multi_tenant,
+            "use_libuv": use_libuv,
+        }
+        listener = None
+        if is_master and master_listen_fd is None:
+            try:
+                listener = loopback_listener(host_name, port)
+            except OSError as err:
+                # In use: by a multi-tenant server of this process, which torch then reuses, or by
+                # another process, and torch's own bind of the port on "::" fails as it always would.
+                # Any other error is raised: falling back would listen on every interface.
+                if err.errno != errno.EADDRINUSE:
+                    raise
+        if listener is None:
+            super().__init__(host_name, port, master_listen_fd=master_listen_fd, **options)
+            return
+        try:
+            super().__init__(host_name, port, master_listen_fd=listener.fileno(), **options)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the server owns the descriptor now and closes it when it stops
+
+
+def install() -> None:
+    """Make torch create the agent's c10d store and rank 0's worker store as `LoopbackTCPStore`s.
+
+    torch 2.13 creates them with the names `TCPStore` that these two modules imported: the c10d
+    rendezvous backend (`_create_tcp_store`, in the agent) and env:// rendezvous (`_create_c10d_store`,
+    in the worker). A torch that moved them fails here rather than silently listening everywhere.
+    """
+    # By module name: the attribute torch.distributed.rendezvous is a function of that name.
+    for name in (
+        "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+        "torch.distributed.rendezvous",
+    ):
+        module = importlib.import_module(name)
+        if getattr(module, "TCPStore", None) not in (TCPStore, LoopbackTCPStore):
+            raise RuntimeError(f"{module.__name__} no longer creates its stores as TCPStore")
+        module.TCPStore = LoopbackTCPStore
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python launch/loopback.py MODULE [ARGS ...]")
+    install()
+    sys.argv = argv
+    sys.path[0] = os.getcwd()  # as `python -m`: the working directory, not launch/, is searched first
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
