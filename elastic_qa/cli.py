@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_of
 from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import features_for
@@ -44,7 +44,7 @@ def load_checkpoint(path: str) -> LoadedCheckpoint:
     checkpointer = Checkpointer(CheckpointConfig(), store)
     if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
         parent, _, name = store.root.rpartition("/")
-        step = int(name.split("-")[-1]) if name.startswith("step-") else 0
+        step = step_of(name) or 0
         return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
             store.root, step
         )
@@ -79,10 +79,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     configure_logging(None, cfg.log.level)
     started = time.perf_counter()
     data = prepare(cfg.data)
+    skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "
-        f"{len(data.eval) if data.eval is not None else 0} evaluation windows "
-        f"({time.perf_counter() - started:.2f}s)"
+        f"{len(data.eval) if data.eval is not None else 0} evaluation windows"
+        + (f", {skipped} malformed records skipped" if skipped else "")
+        + f" ({time.perf_counter() - started:.2f}s)"
     )
     return 0
 
@@ -123,7 +125,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     from elastic_qa.checkpoint import inspect
 
     handlers = {"list": inspect.cmd_list, "verify": inspect.cmd_verify, "show": inspect.cmd_show}
-    return handlers[args.ckpt_command](args.path)
+    try:
+        return handlers[args.ckpt_command](args.path)
+    except OSError as err:  # unreadable directory, permissions: bad input, one line
+        raise UsageError(f"{args.path}: {err}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

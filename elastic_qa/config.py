@@ -69,6 +69,8 @@ class RunConfig:
     """Run directory (local path): resolved config, logs, ledger, default checkpoint dir."""
     seed: int = 1234
     """Base seed: data order, init, dropout. Per-rank randomness is derived from (seed, step, rank)."""
+    private: bool = False
+    """Create run and checkpoint files readable by their owner only (umask 077); false follows the umask."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir.strip()), "dir", self.dir, "must not be empty")
@@ -94,6 +96,9 @@ class SyntheticConfig:
             self.unanswerable_fraction,
             "must be in [0, 1)",
         )
+
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -127,8 +132,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.source.strip()), "source", self.source, "must not be empty")
-        _require(self.vocab_size >= 256, "vocab_size", self.vocab_size, "must be >= 256")
-        _require(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, "must be >= 8")
+        # The feature cache stores token ids and positions as int32; past that they would not fit.
+        _require(
+            256 <= self.vocab_size <= _INT32_MAX,
+            "vocab_size",
+            self.vocab_size,
+            f"must be in [256, {_INT32_MAX}]",
+        )
+        _require(
+            8 <= self.max_seq_len <= _INT32_MAX,
+            "max_seq_len",
+            self.max_seq_len,
+            f"must be in [8, {_INT32_MAX}]",
+        )
         _require(
             1 <= self.max_query_len <= self.max_seq_len - 4,
             "max_query_len",
@@ -142,7 +158,12 @@ class DataConfig:
             self.doc_stride,
             f"must be in [0, {room}) (context tokens per window)",
         )
-        _require(self.max_answer_len >= 1, "max_answer_len", self.max_answer_len, "must be >= 1")
+        _require(
+            1 <= self.max_answer_len <= _INT32_MAX,
+            "max_answer_len",
+            self.max_answer_len,
+            f"must be in [1, {_INT32_MAX}]",
+        )
         _require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
 
 
@@ -245,10 +266,15 @@ class CheckpointConfig:
     """Continue from the newest valid checkpoint when one exists."""
     require_resume: bool = False
     """Fail instead of starting fresh when no valid checkpoint exists."""
-    max_consecutive_failures: int = 3
-    """Storage errors tolerated in a row before training fails."""
-    emergency_retry_for: timedelta = timedelta(seconds=10)
-    """An emergency save that hits storage errors is retried for this long (the agent SIGKILLs after 30 s)."""
+    give_up_after: timedelta = timedelta(minutes=10)
+    """Saves that keep failing (storage errors) stop training once none has succeeded for this long."""
+    final_retry_for: timedelta = timedelta(minutes=10)
+    """The final save retries storage errors this long; a job whose final state is not committed exits 1."""
+    emergency_retry_for: timedelta = timedelta(seconds=20)
+    """Stop and emergency saves (SIGTERM, SIGHUP, a failed peer) retry storage errors this long (the agent
+    SIGKILLs its workers 30 s after its SIGTERM)."""
+    allow_non_persistent: bool = False
+    """Allow a checkpoint.dir on a store that vanishes with the process (memory://); for tests only."""
 
     def __post_init__(self) -> None:
         seconds = self.interval.total_seconds()
@@ -263,11 +289,15 @@ class CheckpointConfig:
             "must be >= 0",
         )
         _require(
-            self.max_consecutive_failures >= 0,
-            "max_consecutive_failures",
-            self.max_consecutive_failures,
-            "must be >= 0",
+            self.allow_non_persistent or not self.dir.lower().startswith("memory:"),
+            "dir",
+            self.dir,
+            "memory:// vanishes with the process, and every checkpoint with it "
+            "(checkpoint.allow_non_persistent=true allows it, for tests)",
         )
+        for name in ("give_up_after", "final_retry_for"):
+            value = getattr(self, name)
+            _require(value.total_seconds() >= 0, name, format_duration(value), "must be >= 0")
 
 
 @dataclass
@@ -282,6 +312,8 @@ class DistConfig:
     """Compress gradients to this dtype for the all-reduce (halves the bytes on the wire)."""
     agent_check_interval: timedelta = timedelta(milliseconds=500)
     """How often a worker checks that its torchrun agent is still alive."""
+    agent_lost_grace: timedelta = timedelta(seconds=15)
+    """A worker whose agent died gets this long to save and leave before it exits (code 76) regardless."""
     control_period: timedelta = timedelta(milliseconds=100)
     """Ranks agree on stop/save (one tiny all-reduce) about this often: a SIGTERM is acted on this late."""
 
@@ -299,6 +331,12 @@ class DistConfig:
             "agent_check_interval",
             format_duration(self.agent_check_interval),
             "must be > 0",
+        )
+        _require(
+            self.agent_lost_grace.total_seconds() >= 0,
+            "agent_lost_grace",
+            format_duration(self.agent_lost_grace),
+            "must be >= 0",
         )
 
 
@@ -334,6 +372,8 @@ class DebugConfig:
     """Sleep this long before each checkpoint file is written (widens the window for kill-during-save)."""
     storage_fault_file: str = ""
     """While this file exists, checkpoint writes fail with ENOSPC (the chaos `storage-errors` fault)."""
+    log_fault_file: str = ""
+    """While this file exists, log writes fail with ENOSPC (the chaos `log-full` fault)."""
 
     def __post_init__(self) -> None:
         _require(self.kill_at_step >= 0, "kill_at_step", self.kill_at_step, "must be >= 0")

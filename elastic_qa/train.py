@@ -1,13 +1,17 @@
 """Worker entry point: `python -m elastic_qa.train --config CFG [section.key=value ...]`.
 
 Runs under torchrun (any number of agents and processes per agent) or alone as a single process.
-Exit codes: 0 done, 2 bad input (config, data, checkpoint that does not fit), 75 stopped to let the group
-regroup (SIGTERM), 1 anything else (the torchrun agent restarts the group).
+Exit codes: 0 done, 2 bad input (config, data, checkpoint that does not fit), 75 stopped under torchrun
+(SIGTERM, SIGINT, SIGHUP) after saving, to let the agents regroup, 76 its torchrun agent died, 1 anything
+else (the torchrun agent restarts the group). A single process without torchrun that a signal stopped
+exits 128 + the signal's number after saving (130 SIGINT, 129 SIGHUP, 143 SIGTERM), as a shell expects.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -16,10 +20,12 @@ from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, load_config, packaged_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
-from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown
-from elastic_qa.elastic.watchdog import AgentWatchdog
+from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
+from elastic_qa.elastic.signals import StopRequest
+from elastic_qa.elastic.watchdog import EXIT_AGENT_LOST, AgentWatchdog
+from elastic_qa.observe.console import print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
-from elastic_qa.trainer import EXIT_REGROUP, PeerFailure, ResumeError, Trainer
+from elastic_qa.trainer import EXIT_REGROUP, FinalStateError, PeerFailure, ResumeError, Trainer
 
 EXIT_BAD_INPUT = 2
 
@@ -64,15 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"elastic-qa: config error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    watchdog = AgentWatchdog(cfg.dist.agent_check_interval)
-    configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level)
+    if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
+        os.umask(0o077)
+    stop = StopRequest()  # set by a signal (once the loop runs) or by the watchdog
+    watchdog = AgentWatchdog(cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop)
+    try:
+        configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level, fault_file=cfg.debug.log_fault_file)
+    except OSError as err:
+        print(f"elastic-qa: run.dir={cfg.run.dir}: cannot create its logs ({_reason(err)})", file=sys.stderr)
+        return EXIT_BAD_INPUT
     log = get_logger()
     try:
         data = prepare(cfg.data)  # before the process group: a long first build cannot time it out
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
-        trainer = Trainer(cfg, ctx, data)
+        trainer = Trainer(cfg, ctx, data, stop_request=stop)
+        trainer.restore()  # reads only: a start refused here (exit 2) fences no job running on this run
         attempt = trainer.register_attempt()
         log.info(
             "worker_start",
@@ -84,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             restart_count=_restart_count(),
             config_hash=cfg.digest(),
         )
-        trainer.restore()
+        trainer.log_start()
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
         result = trainer.train()
         if result["stopped"]:
-            return EXIT_REGROUP
-        if ctx.is_main and "em" in result:
-            print(f"final: step {result['step']}  EM {result['em']:.4f}  F1 {result['f1']:.4f}", flush=True)
+            return stopped_exit_code(stop, watchdog.lost)
+        if ctx.is_main and "em" in result:  # stdout may be a closed pipe or a dead terminal by now
+            print_safely(f"final: step {result['step']}  EM {result['em']:.4f}  F1 {result['f1']:.4f}")
         return 0
     except (DataError, ResumeError, ConfigError) as err:
         log.error("bad_input", error=str(err))
@@ -100,11 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     except PeerFailure as err:
         log.error("peer_failure", error=str(err).splitlines()[0][:300])
         return 1
-    except CheckpointError as err:
+    except (CheckpointError, FinalStateError) as err:
         log.error("checkpoint_fatal", error=str(err))
-        print(f"elastic-qa: {err}", file=sys.stderr)
+        print_safely(f"elastic-qa: {err}", sys.stderr)
         return 1
     except Exception as err:
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE:  # e.g. a read-only checkpoint.dir
+            log.error("bad_input", error=str(err))
+            print(f"elastic-qa: cannot write {err.filename or 'the run'}: {_reason(err)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         # Logged so that a launcher can tell a crash loop (the same error every attempt) from bad luck.
         log.error(
             "worker_crash",
@@ -115,6 +133,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watchdog.stop()
         shutdown()
+
+
+def stopped_exit_code(stop: StopRequest, agent_lost: bool) -> int:
+    """The exit code of a run that stopped early and saved: 76 when its agent is gone; 75 under torchrun,
+    so that the agents regroup; else 128 + the signal's number, the shell's convention."""
+    if agent_lost:
+        return EXIT_AGENT_LOST
+    if under_torchrun_agent() or stop.signum is None:
+        return EXIT_REGROUP
+    return 128 + stop.signum
+
+
+# Errors that mean "this path cannot be written as configured", not a passing storage fault.
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST)
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
 
 
 def _restart_count() -> int:

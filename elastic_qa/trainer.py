@@ -16,20 +16,24 @@ Exit 75 (a peer is leaving) and 1 make the torchrun agents regroup; neither lose
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
 import signal
+import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
+from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
 from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.state import (
     MODEL_FILE,
@@ -39,7 +43,7 @@ from elastic_qa.checkpoint.state import (
     set_rng_state,
     versions,
 )
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
@@ -64,6 +68,10 @@ class ResumeError(RuntimeError):
 
 class PeerFailure(RuntimeError):
     """A collective failed: a peer died, froze past dist.timeout, or its agent restarted the group."""
+
+
+class FinalStateError(RuntimeError):
+    """Training reached max_steps but its final state could not be committed: the job is not done."""
 
 
 def lr_multiplier(warmup_steps: int, total_steps: int, min_ratio: float):
@@ -111,7 +119,9 @@ class Decision:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: DistContext, data: PreparedData) -> None:
+    def __init__(
+        self, cfg: Config, ctx: DistContext, data: PreparedData, stop_request: StopRequest | None = None
+    ) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         self.log = get_logger()
         self.device = ctx.device
@@ -139,54 +149,126 @@ class Trainer:
             cfg.checkpoint, self.store, may_commit=self.fence.check, before_file=storage_fault_hook(cfg)
         )
         self.schedule = SaveSchedule(cfg.checkpoint)
-        self.stop_request = StopRequest()
+        # Shared with the agent watchdog, which asks for a stop through it when the agent dies.
+        self.stop_request = stop_request or StopRequest()
         # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
         self.control_group = None
+        # The outcome of the final save travels on a group whose timeout covers its retries.
+        self.final_group = None
         if ctx.distributed:
             self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
+            final_timeout = cfg.checkpoint.final_retry_for + cfg.dist.timeout + timedelta(minutes=1)
+            self.final_group = dist.new_group(backend="gloo", timeout=final_timeout)
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"single-{uuid.uuid4().hex[:12]}"
+        self.rejected: list[Rejection] = []
+        self.restored: LoadedCheckpoint | None = None
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
         self.attempt = 0
 
-    # ---- start-up -----------------------------------------------------------------------------------
-    def register_attempt(self) -> int:
-        """Job-wide attempt number: rank 0 claims the next one in the checkpoint store, all ranks agree."""
-        number = torch.zeros(1, dtype=torch.int64)
+    # ---- start-up: restore (reads only), then register (the first write) --------------------------------
+    def restore(self) -> LoadedCheckpoint | None:
+        """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all) into this run.
+
+        Nothing is written: a start that is refused here (a checkpoint of another model, another job's
+        checkpoints under checkpoint.resume=false) leaves the store, and any job running on it, untouched.
+        """
+        verdict = torch.tensor([-1, 0], dtype=torch.int64)  # chosen step, refused
+        loaded, refusal = None, ""
         if self.ctx.is_main:
-            number[0] = self.fence.register(self.ctx.world_size)
-            # Unfinished writes of older attempts can never commit (fencing): remove them.
-            self.store.clean_staging(older_than_s=0)
+            try:
+                loaded = self._choose_checkpoint()
+                verdict[0] = loaded.step if loaded else -1
+            except ResumeError as err:
+                refusal, verdict[1] = str(err), 1
         if self.ctx.distributed:
-            dist.broadcast(number, src=0, group=self.control_group)
-        self.attempt = self.fence.attempt = int(number[0])
+            dist.broadcast(verdict, src=0, group=self.control_group)
+        if verdict[1]:
+            raise ResumeError(refusal or "rank 0 refused to resume (its log says why)")
+        if verdict[0] >= 0 and loaded is None:
+            path = self.store.path(step_dir_name(int(verdict[0])))
+            loaded = self.checkpointer.load_step(path, int(verdict[0]))
+        if loaded is not None:
+            self._apply(loaded)
+        self.restored = loaded
+        return loaded
+
+    def _choose_checkpoint(self) -> LoadedCheckpoint | None:
+        """Rank 0: the checkpoint to resume, or None to start fresh; ResumeError: the start must not go on."""
+        cfg = self.cfg
+        if not cfg.checkpoint.resume:
+            foreign = [info for info in self.store.list_steps() if self._run_id_of(info.path) != self.run_id]
+            if foreign:
+                raise ResumeError(
+                    f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another job "
+                    f"(newest: step {foreign[-1].step}); use a new run.dir or checkpoint.dir, or resume them"
+                )
+        self.rejected = []
+        loaded = self.checkpointer.load_newest(self.rejected)
+        if loaded is None and cfg.checkpoint.require_resume:
+            raise ResumeError(
+                f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
+            )
+        if loaded is not None and loaded.step > cfg.train.max_steps:
+            raise ResumeError(
+                f"checkpoint {self.store.display(loaded.path)} is at step {loaded.step}, past "
+                f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
+            )
+        return loaded
+
+    def _run_id_of(self, path: str) -> str | None:
+        try:
+            return self.store.read_manifest(path).get("run_id")
+        except (OSError, ValueError):
+            return None
+
+    def register_attempt(self) -> int:
+        """Job-wide attempt number: rank 0 claims the next one in the checkpoint store, all ranks agree.
+
+        Then rank 0 clears what older attempts left (their staging, the checkpoints rejected at restore) and
+        checks that no checkpoint newer than the restored one was committed meanwhile by a group that was
+        still running (it is fenced from now on); if one was, every rank restores again.
+        """
+        info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
+        if self.ctx.is_main:
+            info[0] = self.fence.register(self.ctx.world_size)
+            self.store.clean_staging(int(info[0]))
+            for rejection in self.rejected:
+                self._quarantine(rejection)
+            committed = self.store.list_steps()
+            restored_step = self.restored.step if self.restored else -1
+            info[1] = int(bool(committed) and committed[-1].step > restored_step)
+        if self.ctx.distributed:
+            dist.broadcast(info, src=0, group=self.control_group)
+        self.attempt = self.fence.attempt = int(info[0])
         update_identity(attempt=self.attempt)
+        if info[1]:
+            self.log.warning("checkpoint_appeared", restored_step=self.step)
+            self.restore()
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, self.attempt, self.ctx.rank, self.ctx.world_size)
         return self.attempt
 
-    def restore(self) -> LoadedCheckpoint | None:
-        """Continue from the newest checkpoint that verifies (chosen by rank 0, loaded by all)."""
-        loaded = None
-        if self.cfg.checkpoint.resume:
-            chosen = torch.full((1,), -1, dtype=torch.int64)
-            if self.ctx.is_main:
-                loaded = self.checkpointer.load_newest()
-                chosen[0] = loaded.step if loaded else -1
-            if self.ctx.distributed:
-                dist.broadcast(chosen, src=0, group=self.control_group)
-            if chosen[0] >= 0 and loaded is None:
-                path = self.store.path(f"step-{int(chosen[0]):08d}")
-                loaded = self.checkpointer.load_step(path, int(chosen[0]))
+    def _quarantine(self, rejection: Rejection) -> None:
+        try:
+            target = self.store.quarantine(rejection.path, rejection.reason)
+            self.log.warning(
+                "checkpoint_quarantined",
+                step=rejection.step,
+                path=self.store.display(target),
+                reason=rejection.reason,
+            )
+        except (OSError, CheckpointError) as err:  # a replay of that step supersedes it all the same
+            self.log.warning("checkpoint_quarantine_failed", step=rejection.step, error=str(err))
+
+    def log_start(self) -> None:
+        """Say where training starts: `resume` (with the checkpoint) or `start_fresh`."""
+        loaded = self.restored
         if loaded is None:
-            if self.cfg.checkpoint.require_resume:
-                raise ResumeError(
-                    f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
-                )
             self.log.info("start_fresh", checkpoint_dir=self.store.url)
-            return None
-        self._apply(loaded)
+            return
         self.log.info(
             "resume",
             step=self.step,
@@ -196,7 +278,6 @@ class Trainer:
             epoch=self.cursor.epoch,
             cursor=self.cursor.samples_consumed,
         )
-        return loaded
 
     def _apply(self, loaded: LoadedCheckpoint) -> None:
         state = loaded.trainer
@@ -259,7 +340,7 @@ class Trainer:
                     return self._stop_for_regroup()
             return self._finish()
         except (RuntimeError, dist.DistBackendError) as err:
-            if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError):
+            if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError | FinalStateError):
                 raise
             self._emergency_save(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
             raise PeerFailure(str(err)) from err
@@ -340,7 +421,7 @@ class Trainer:
         flags = torch.tensor(
             [
                 float(self.stop_request.notice(self.log)),
-                float(self.ctx.is_main and self.schedule.time_due()),
+                float(self.ctx.is_main and self.schedule.time_due(self.checkpointer.failing)),
                 float(every if self.ctx.is_main else 0),
             ],
             dtype=torch.float64,
@@ -470,6 +551,7 @@ class Trainer:
             "epoch": self.cursor.epoch,
             "world_size": self.ctx.world_size,
             "attempt": self.attempt,
+            "run_id": self.run_id,
             "config_hash": self.cfg.digest(),
             "versions": versions(),
         }
@@ -478,18 +560,28 @@ class Trainer:
         self, reason: str, blocking: bool = False, gather_rng: bool = True, ignore_failures: bool = False
     ) -> None:
         """Checkpoint the last completed step. Collective unless gather_rng is False."""
+        state = self._checkpoint_state(gather_rng)
+        if state is not None:
+            self._write_checkpoint(state, reason, blocking, ignore_failures)
+
+    def _checkpoint_state(self, gather_rng: bool = True) -> dict[str, Any] | None:
+        """The full training state as checkpoint files (None on ranks other than 0 when gathering)."""
         rngs = (
             gather_rng_states(self.ctx, self.control_group)
             if gather_rng
             else {str(self.ctx.rank): rng_state()}
         )
         if not self.ctx.is_main and gather_rng:
-            return
-        state = {
+            return None
+        return {
             MODEL_FILE: unwrap(self.model).state_dict(),
             OPTIMIZER_FILE: self.optimizer.state_dict(),
             TRAINER_FILE: self._trainer_state(rngs),
         }
+
+    def _write_checkpoint(
+        self, state: dict[str, Any], reason: str, blocking: bool, ignore_failures: bool = False
+    ) -> None:
         result = self.checkpointer.save(
             self.step,
             state,
@@ -501,6 +593,30 @@ class Trainer:
         self.timer.add_stall(result.blocking_seconds)
         self.schedule.saved()
 
+    def _save_until_committed(self, state: dict[str, Any], reason: str, retry_for: timedelta) -> bool:
+        """Write `state` (blocking), retrying storage errors with back-off for `retry_for`; whether the
+        step is committed and verified. A fenced writer (another group owns the run) stops at once."""
+        deadline = time.monotonic() + retry_for.total_seconds()
+        pause = 0.5
+        while True:
+            self._write_checkpoint(state, reason, blocking=True, ignore_failures=True)
+            if self.checkpointer.last_committed_step == self.step:
+                return True
+            if self.checkpointer.fenced or time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+    def _committed_by_us(self, step: int) -> bool:
+        """A checkpoint of `step` written by this attempt stands in the store and verifies."""
+        path = self.store.path(step_dir_name(step))
+        try:
+            if self.store.read_manifest(path).get("attempt") != self.attempt:
+                return False
+        except (OSError, ValueError):
+            return False
+        return self.store.verify(path).ok
+
     def _emergency_save(self, reason: str) -> None:
         """A collective failed: commit the last completed step from this replica (any survivor may).
 
@@ -509,37 +625,68 @@ class Trainer:
         self.log.error("emergency_checkpoint", step=self.step, reason=reason)
         try:
             self.checkpointer.wait()
-            if self.step == 0 or self.store.exists(self.step):
+            if self.step == 0 or self._committed_by_us(self.step):
                 return
             # Survivors all hold the same state; stagger them so that usually only one writes it.
             time.sleep(min(self.ctx.rank, 8) * 0.2)
-            deadline = time.monotonic() + self.cfg.checkpoint.emergency_retry_for.total_seconds()
-            while not self.store.exists(self.step):
-                self.save(reason="emergency", blocking=True, gather_rng=False, ignore_failures=True)
-                if self.checkpointer.last_committed_step == self.step or time.monotonic() > deadline:
-                    break
-                time.sleep(1.0)
+            if self._committed_by_us(self.step):
+                return
+            state = self._checkpoint_state(gather_rng=False)
+            if not self._save_until_committed(state, "emergency", self.cfg.checkpoint.emergency_retry_for):
+                self._report_uncommitted("emergency")
         except Exception as err:  # noqa: BLE001 - already failing: report, never mask the cause
             self.log.error(
                 "emergency_checkpoint_failed", step=self.step, error=f"{type(err).__name__}: {err}"
             )
 
+    def _report_uncommitted(self, reason: str) -> None:
+        if self.checkpointer.fenced:  # not a loss: a newer group owns the run and holds the newer state
+            self.log.warning(
+                "not_saved_stale", step=self.step, reason=reason, error=self.checkpointer.last_error
+            )
+            return
+        message = (
+            f"step {self.step} could not be committed ({reason} save; last error: "
+            f"{self.checkpointer.last_error or 'none'}): work since the last checkpoint is lost"
+        )
+        self.log.error("checkpoint_lost", step=self.step, reason=reason, error=self.checkpointer.last_error)
+        with contextlib.suppress(OSError):
+            print(f"elastic-qa: {message}", file=sys.stderr, flush=True)
+
     def _stop_for_regroup(self) -> dict[str, Any]:
         self.log.warning("stopping", step=self.step, signal=self.stop_request.signal_name)
-        if self.step > 0:
-            self.save(reason="sigterm", blocking=True)
-        self.checkpointer.close()
+        if self.step > 0 and self.resumed_step != self.step:
+            state = self._checkpoint_state()  # collective: every rank's RNG
+            if state is not None and not self._save_until_committed(
+                state, "sigterm", self.cfg.checkpoint.emergency_retry_for
+            ):
+                self._report_uncommitted("sigterm")
+        self.checkpointer.wait()
         return {"stopped": True, "step": self.step}
 
     def _finish(self) -> dict[str, Any]:
+        """Final evaluation and checkpoint. Done only once the final state is committed and verified."""
         scores = self.run_eval()
-        if self.step > 0 and self.resumed_step != self.step:
-            self.save(reason="final", blocking=True)
-        self.checkpointer.close()
+        committed = torch.ones(1, dtype=torch.int64)
+        state = self._checkpoint_state() if self.resumed_step != self.step else None  # collective
+        if self.ctx.is_main:
+            if state is not None:
+                ok = self._save_until_committed(state, "final", self.cfg.checkpoint.final_retry_for)
+            else:  # resumed at max_steps: that checkpoint is the final state; it must still stand
+                ok = self.store.verify(self.store.path(step_dir_name(self.step))).ok
+            committed[0] = int(ok)
+        if self.ctx.distributed:
+            dist.broadcast(committed, src=0, group=self.final_group)
+        if not committed[0]:
+            if self.ctx.is_main:
+                self._report_uncommitted("final")
+            raise FinalStateError(
+                f"training reached step {self.step} but its final state could not be committed to "
+                f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
+            )
+        self.checkpointer.wait()
         if self.scalars:
             self.scalars.close()
-        if self.ctx.distributed:
-            dist.barrier(group=self.control_group)
         self.log.info(
             "train_done",
             step=self.step,

@@ -251,7 +251,20 @@ def test_to_yaml_spells_async_without_underscore_and_reloads(tmp_path):
 
 def test_checkpoint_dir_defaults_to_the_run_directory():
     assert tiny("run.dir=/r").checkpoint_dir == str(Path("/r") / "checkpoints")
-    assert tiny("run.dir=/r", "checkpoint.dir=memory://ck").checkpoint_dir == "memory://ck"
+    allowed = tiny("run.dir=/r", "checkpoint.dir=memory://ck", "checkpoint.allow_non_persistent=true")
+    assert allowed.checkpoint_dir == "memory://ck"
+
+
+def test_a_checkpoint_dir_that_vanishes_with_the_process_is_refused_unless_allowed():
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir='memory://ck'.*allow_non_persistent"):
+        tiny("run.dir=/r", "checkpoint.dir=memory://ck")
+
+
+def test_train_on_a_memory_checkpoint_dir_exits_2_and_writes_nothing(tmp_path):
+    """It used to train, rotate and exit 0, and every checkpoint vanished with the process."""
+    run_dir = tmp_path / "run"
+    result = run_train(tmp_path, "--config", "tiny", f"run.dir={run_dir}", "checkpoint.dir=memory://ck")
+    assert_bad_config_exit(result, run_dir, "checkpoint.dir", "memory://")
 
 
 # --- the worker entry point: a bad config exits 2 with one line, before anything is written ---

@@ -14,7 +14,7 @@ import torch
 from chaos.evidence import final_parameters, load_events, parameter_difference
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.trainer import EXIT_REGROUP, lr_multiplier
+from elastic_qa.trainer import lr_multiplier
 from tests.conftest import tiny_overrides
 
 STEPS = 40
@@ -74,7 +74,8 @@ def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
         time.sleep(0.05)
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == EXIT_REGROUP, process.stderr.read()[-2000:]
+    # A single process (no torchrun agent to regroup) exits as a shell expects of a SIGTERMed program.
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM, process.stderr.read()[-2000:]
     events = load_events(tmp_path)
     last_step = max(e["step"] for e in events if e["event"] == "step")
     saved = [e for e in events if e["event"] == "checkpoint_committed"]

@@ -1,24 +1,48 @@
-"""`elastic-qa ckpt list | verify | show`: look at a checkpoint directory without training."""
+"""`elastic-qa ckpt list | verify | show`: look at a checkpoint directory without training.
+
+Everything shown comes from files an attacker may have written: each checkpoint gets one line, reasons
+are folded onto it with control characters escaped, and a path that is not a checkpoint directory (or,
+for `show`, not a checkpoint) is bad input (CheckpointError: one line, exit code 2).
+"""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore, step_of
 from elastic_qa.config import CheckpointConfig
+
+PRUNED = "pruned while verifying"
 
 
 def _checkpointer(path: str) -> Checkpointer:
-    return Checkpointer(CheckpointConfig(), CheckpointStore(path.rstrip("/")))
+    """The checkpointer of directory `path`, which must exist (else CheckpointError: bad input)."""
+    store = CheckpointStore(path.rstrip("/") or "/")
+    if not store.fs.isdir(store.root):
+        what = "is not a directory" if store.fs.exists(store.root) else "does not exist"
+        raise CheckpointError(f"{path} {what}")
+    return Checkpointer(CheckpointConfig(), store)
 
 
-def _full_check(checkpointer: Checkpointer, path: str, step: int) -> str:
+def _printable(text: Any) -> str:
+    """`text` with control characters escaped: it may quote what a hostile file holds."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def _one_line(text: Any) -> str:
+    return _printable(" ".join(str(text).split()))
+
+
+def _full_check(checkpointer: Checkpointer, info: CheckpointInfo) -> str:
     """'' when the checkpoint verifies and every file loads with weights_only=True, else the reason."""
     try:
-        checkpointer.load_step(path, step)
+        checkpointer.load_step(info.path, info.step)
     except (CheckpointError, OSError, ValueError, KeyError) as err:
-        return str(err)
+        if checkpointer.store.vanished(info):  # deleted under our feet: gone, not damaged
+            return PRUNED
+        return _one_line(err) or type(err).__name__
     return ""
 
 
@@ -29,23 +53,30 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def _size(manifest: dict[str, Any]) -> str:
+    sizes = [e.get("size") for e in manifest.get("files", {}).values() if isinstance(e, dict)]
+    return f"{sum(s for s in sizes if type(s) is int and s >= 0) / 2**20:.1f}MiB"
+
+
 def cmd_list(path: str) -> int:
     checkpointer = _checkpointer(path)
     store = checkpointer.store
     rows = [("step", "epoch", "world", "size", "age", "verified")]
     for info in store.list_steps(committed_only=False):
         verdict = store.verify(info.path)
+        if verdict.vanished or (not verdict.ok and store.vanished(info)):
+            continue  # pruned since it was listed: no longer a checkpoint of this directory
         manifest = verdict.manifest or {}
-        size = sum(f.get("size", 0) for f in manifest.get("files", {}).values())
-        age = _age(time.time() - manifest["created_ts"]) if "created_ts" in manifest else "?"
+        created = manifest.get("created_ts")
+        fresh = isinstance(created, (int, float)) and not isinstance(created, bool)
         rows.append(
             (
                 str(info.step),
-                str(manifest.get("epoch", "?")),
-                str(manifest.get("world_size", "?")),
-                f"{size / 2**20:.1f}MiB",
-                age,
-                "yes" if verdict.ok else f"NO: {verdict.reason}",
+                _one_line(manifest.get("epoch", "?"))[:12],
+                _one_line(manifest.get("world_size", "?"))[:12],
+                _size(manifest),
+                _age(time.time() - created) if fresh else "?",
+                "yes" if verdict.ok else f"NO: {_one_line(verdict.reason)}",
             )
         )
     if len(rows) == 1:
@@ -58,11 +89,15 @@ def cmd_list(path: str) -> int:
 
 
 def cmd_verify(path: str) -> int:
+    """Verify and load every checkpoint: 1 if one is damaged; one pruned meanwhile is no damage."""
     checkpointer = _checkpointer(path)
     infos = checkpointer.store.list_steps(committed_only=False)
     bad = 0
     for info in infos:
-        reason = _full_check(checkpointer, info.path, info.step)
+        reason = _full_check(checkpointer, info)
+        if reason == PRUNED:
+            print(f"step {info.step}: {PRUNED}")
+            continue
         print(f"step {info.step}: {'ok' if not reason else 'BAD: ' + reason}")
         bad += bool(reason)
     if not infos:
@@ -71,28 +106,38 @@ def cmd_verify(path: str) -> int:
 
 
 def cmd_show(path: str) -> int:
-    store = CheckpointStore(path.rstrip("/"))
+    """One checkpoint in detail; anything that is not a valid checkpoint is bad input (one line, exit 2)."""
+    store = CheckpointStore(path.rstrip("/") or "/")
+    if not store.fs.exists(store.root):
+        raise CheckpointError(f"{path} does not exist")
     parent, _, name = store.root.rpartition("/")
     checkpointer = Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs))
-    step = int(name.split("-")[-1]) if name.startswith("step-") else -1
-    loaded = checkpointer.load_step(store.root, step)
-    state, manifest = loaded.trainer, loaded.manifest
+    step = step_of(name)
+    try:
+        loaded = checkpointer.load_step(store.root, -1 if step is None else step)
+        lines = _describe(path, loaded.trainer, loaded.manifest)
+    except (CheckpointError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a valid checkpoint: {_one_line(err)}") from None
+    except (KeyError, TypeError, IndexError, AttributeError) as err:  # verified, but not what we write
+        reason = _one_line(f"{type(err).__name__}: {err}")
+        raise CheckpointError(f"{path}: not a checkpoint of this trainer ({reason})") from None
+    print("\n".join(lines))
+    return 0
+
+
+def _describe(path: str, state: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     trainer = state["trainer"]
-    print(f"checkpoint {path}")
-    print(
+    lines = [
+        f"checkpoint {path}",
         f"  step {trainer['step']}  epoch {trainer['epoch']}  samples consumed in epoch "
-        f"{trainer['samples_consumed']}  tokens seen {trainer['tokens_seen']}"
-    )
-    print(
+        f"{trainer['samples_consumed']}  tokens seen {trainer['tokens_seen']}",
         f"  world size at save {trainer['world_size']}  global batch {trainer['global_batch_size']}  "
-        f"attempt {trainer.get('attempt', '?')}"
-    )
-    print(
+        f"attempt {trainer.get('attempt', '?')}",
         f"  lr {state['scheduler'].get('_last_lr', ['?'])[0]}  created {manifest.get('created')}  "
-        f"config {manifest.get('config_hash', '')[:12]}  versions {manifest.get('versions')}"
-    )
-    print(f"  rng states for ranks {sorted(state['rng'])}")
+        f"config {str(manifest.get('config_hash', ''))[:12]}  versions {manifest.get('versions')}",
+        f"  rng states for ranks {sorted(state['rng'])}",
+    ]
     for name in STATE_FILES:
         entry = manifest["files"][name]
-        print(f"  {name}: {entry['size']} bytes  sha256 {entry['sha256'][:16]}...")
-    return 0
+        lines.append(f"  {name}: {entry['size']} bytes  sha256 {entry['sha256'][:16]}...")
+    return [_printable(line) for line in lines]

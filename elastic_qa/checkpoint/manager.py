@@ -2,8 +2,9 @@
 
 Saving: the live state is copied to CPU memory at a step boundary (the only time training waits), then a
 background thread serialises, writes, commits and prunes. At most one save is in flight; when the next one
-falls due first, the caller waits and the wait is logged. Storage errors are logged and counted, training
-goes on; only `max_consecutive_failures` failures in a row are fatal.
+falls due first, the caller waits and the wait is logged. Storage errors are logged and training goes on:
+a short outage costs nothing (the trainer retries sooner while saves fail). Only when no save has succeeded
+for `checkpoint.give_up_after` since the first failure does training stop, rather than run on unprotected.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
-from elastic_qa.config import CheckpointConfig
+from elastic_qa.config import CheckpointConfig, format_duration
 from elastic_qa.observe.log import get_logger
 
 STATE_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
@@ -40,6 +41,15 @@ class SaveResult:
     waited_seconds: float
 
 
+@dataclass
+class Rejection:
+    """A checkpoint that failed verification or loading at resume: to be quarantined, never loaded."""
+
+    step: int
+    path: str
+    reason: str
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -47,16 +57,20 @@ class Checkpointer:
         store: CheckpointStore,
         may_commit: Callable[[], None] = lambda: None,
         before_file: Callable[[str], None] = lambda name: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.store = store
         self.may_commit = may_commit
         self.before_file = before_file
         self.log = get_logger()
         self._thread: threading.Thread | None = None
         self._failures = 0
+        self._failing_since: float | None = None
         self._fatal: BaseException | None = None
         self.last_committed_step: int | None = None
+        self.last_error: str = ""
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(
@@ -127,20 +141,18 @@ class Checkpointer:
             check_safe(snapshot, "checkpoint")
             files = {name: serialize(snapshot[name]) for name in STATE_FILES}
             path = self.store.commit(step, files, manifest_fields, self.may_commit, self.before_file)
-            if path is None:
-                self.log.info("checkpoint_exists", step=step, reason=reason)
-                return
             verdict = self.store.verify(path)
             if not verdict.ok:
                 raise CheckpointError(f"{path} failed verification right after writing: {verdict.reason}")
             self.last_committed_step = step
-            self._failures = 0
+            self._failures, self._failing_since = 0, None
             seconds = time.perf_counter() - started  # read once: a sync save's stall is all of it
             self.log.info(
                 "checkpoint_committed",
                 step=step,
                 path=self.store.display(path),
                 reason=reason,
+                attempt=(verdict.manifest or {}).get("attempt"),
                 bytes=sum(len(b) for b in files.values()),
                 seconds=round(seconds, 4),
                 blocking_seconds=round(seconds if blocking_seconds is None else blocking_seconds, 4),
@@ -148,20 +160,38 @@ class Checkpointer:
             self.prune(keep=step)
         except StaleWriterError as err:
             self.log.error("checkpoint_fenced", step=step, reason=str(err))
+            self.last_error = str(err)
             self._fatal = err
         except Exception as err:  # noqa: BLE001 - storage errors of any backend must not stop training
             self._failures += 1
+            now = self.clock()
+            self._failing_since = now if self._failing_since is None else self._failing_since
+            self.last_error = f"{type(err).__name__}: {err}"
+            failing_for = now - self._failing_since
             self.log.error(
                 "checkpoint_failed",
                 step=step,
-                error=f"{type(err).__name__}: {err}",
+                reason=reason,
+                error=self.last_error,
                 consecutive_failures=self._failures,
+                failing_for_s=round(failing_for, 3),
             )
-            if self._failures > self.cfg.max_consecutive_failures:
+            give_up = self.cfg.give_up_after.total_seconds()
+            if failing_for >= give_up:
                 self._fatal = CheckpointError(
-                    f"{self._failures} checkpoint saves failed in a row (last: {err}); "
-                    f"checkpoint.max_consecutive_failures={self.cfg.max_consecutive_failures}"
+                    f"no checkpoint could be saved for {failing_for:.0f} s ({self._failures} tries; last: "
+                    f"{err}); checkpoint.give_up_after={format_duration(self.cfg.give_up_after)}"
                 )
+
+    @property
+    def fenced(self) -> bool:
+        """A newer attempt has registered: this writer may never commit again."""
+        return isinstance(self._fatal, StaleWriterError)
+
+    @property
+    def failing(self) -> bool:
+        """The last save failed (a storage error): the caller may retry sooner than its timer says."""
+        return self._failures > 0
 
     def prune(self, keep: int) -> None:
         """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays."""
@@ -192,13 +222,25 @@ class Checkpointer:
             step, info_path, manifest, loaded[MODEL_FILE], loaded[OPTIMIZER_FILE], loaded[TRAINER_FILE]
         )
 
-    def load_newest(self) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies and loads; rejected ones are logged with the reason."""
+    def load_newest(self, rejected: list[Rejection] | None = None) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies and loads; rejected ones are logged with the reason.
+
+        A checkpoint whose content is wrong (missing or damaged files, a refused pickle) is appended to
+        `rejected` for the caller to quarantine; one that merely could not be read (an I/O error) is skipped
+        and left in place, since the storage may be back on the next start.
+        """
         for info in reversed(self.store.list_steps(committed_only=False)):
             try:
                 return self.load_step(info.path, info.step)
             except (CheckpointError, OSError, ValueError, KeyError) as err:
+                transient = isinstance(err, OSError) and not isinstance(err, FileNotFoundError)
                 self.log.warning(
-                    "checkpoint_rejected", step=info.step, path=self.store.display(info.path), reason=str(err)
+                    "checkpoint_rejected",
+                    step=info.step,
+                    path=self.store.display(info.path),
+                    reason=str(err),
+                    transient=transient,
                 )
+                if rejected is not None and not transient:
+                    rejected.append(Rejection(info.step, info.path, str(err)))
         return None

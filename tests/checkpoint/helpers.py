@@ -145,11 +145,11 @@ def trainer_state(step: int, scheduler: dict[str, Any] | None = None, epoch: int
     }
 
 
-def manifest_fields(epoch: int = 1, world_size: int = 2) -> dict[str, Any]:
+def manifest_fields(epoch: int = 1, world_size: int = 2, attempt: int = 1) -> dict[str, Any]:
     return {
         "epoch": epoch,
         "world_size": world_size,
-        "attempt": 1,
+        "attempt": attempt,
         "config_hash": "c0ffee" * 10,
         "versions": versions(),
     }

@@ -20,6 +20,7 @@ from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig
+from elastic_qa.elastic.fencing import Fence
 from elastic_qa.observe.log import configure_logging
 
 MODEL_FLOATS = 512 * 1024  # 2 MiB
@@ -42,8 +43,10 @@ def state_for(step: int) -> dict:
 def writer(directory: str, progress: str, logs: str) -> None:
     configure_logging(logs, "info")
     store = CheckpointStore(directory)
-    ckpt = Checkpointer(CheckpointConfig(async_=False, keep_last=3), store)
-    store.clean_staging(older_than_s=0)
+    fence = Fence(store)
+    attempt = fence.register(world_size=1)  # what a restarted job does first
+    ckpt = Checkpointer(CheckpointConfig(async_=False, keep_last=3), store, may_commit=fence.check)
+    store.clean_staging(attempt)
     loaded = ckpt.load_newest()
     step = loaded.step if loaded is not None else 0
     if loaded is not None:
@@ -52,7 +55,8 @@ def writer(directory: str, progress: str, logs: str) -> None:
     fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     while time.monotonic() < deadline:
         step += 1
-        ckpt.save(step, state_for(step), {"epoch": 0, "world_size": 1, "versions": versions()})
+        fields = {"epoch": 0, "world_size": 1, "attempt": attempt, "versions": versions()}
+        ckpt.save(step, state_for(step), fields)
         ckpt.raise_if_failed()
         if ckpt.last_committed_step == step:
             os.write(fd, f"{step}\n".encode())

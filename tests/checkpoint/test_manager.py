@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -274,7 +275,7 @@ def test_prune_leaves_a_checkpoint_being_written_alone(faulty_store: CheckpointS
 
 
 def test_a_failed_delete_is_logged_and_not_fatal(faulty_store: CheckpointStore, events) -> None:
-    ckpt = checkpointer(faulty_store, keep_last=2, max_consecutive_failures=0)
+    ckpt = checkpointer(faulty_store, keep_last=2, give_up_after=timedelta(0))
     faults.fail_removes(match=step_dir_name(1))
 
     save_steps(ckpt, [1, 2, 3, 4])
@@ -300,7 +301,7 @@ def test_a_failed_delete_is_logged_and_not_fatal(faulty_store: CheckpointStore, 
 def test_a_storage_error_during_a_save_is_survived_and_cleaned_up(
     faulty_store: CheckpointStore, events, async_: bool, error: str, after: int
 ) -> None:
-    ckpt = checkpointer(faulty_store, async_=async_, keep_last=3, max_consecutive_failures=2)
+    ckpt = checkpointer(faulty_store, async_=async_, keep_last=3, give_up_after=timedelta(minutes=10))
     save_steps(ckpt, [1, 2])
     before = {info.step: snapshot(faulty_store, info.path) for info in faulty_store.list_steps()}
 
@@ -320,18 +321,50 @@ def test_a_storage_error_during_a_save_is_survived_and_cleaned_up(
     assert ckpt.last_committed_step == 3
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_more_than_max_consecutive_failures_in_a_row_is_fatal(
+def test_a_short_outage_is_survived_however_many_saves_fail_in_it(
     faulty_store: CheckpointStore, async_: bool
 ) -> None:
-    ckpt = checkpointer(faulty_store, async_=async_, max_consecutive_failures=2)
+    """A full disk for 6 s made 4 fast failures; counting failures gave up before space came back."""
+    clock = FakeClock()
+    config = CheckpointConfig(async_=async_, give_up_after=timedelta(seconds=60))
+    ckpt = Checkpointer(config, faulty_store, clock=clock)
+    save_steps(ckpt, [1])
+    faults.fail_writes()
+    for step in range(2, 8):  # six failures within six seconds
+        save_steps(ckpt, [step])
+        clock.now += 1.0
+    ckpt.raise_if_failed()
+
+    faults.heal()
+    save_steps(ckpt, [8])
+    ckpt.close()
+    assert committed_steps(faulty_store) == [1, 8]
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_saves_failing_for_give_up_after_are_fatal(faulty_store: CheckpointStore, async_: bool) -> None:
+    clock = FakeClock()
+    config = CheckpointConfig(async_=async_, give_up_after=timedelta(seconds=60))
+    ckpt = Checkpointer(config, faulty_store, clock=clock)
     save_steps(ckpt, [1])
     faults.fail_writes()
 
-    save_steps(ckpt, [2, 3])  # two failures in a row: tolerated
+    save_steps(ckpt, [2])
+    clock.now += 59.0
+    save_steps(ckpt, [3])  # failing for 59 s: tolerated
     ckpt.raise_if_failed()
-    save_steps(ckpt, [4])  # the third is one too many
-    with pytest.raises(CheckpointError):
+    clock.now += 1.0
+    save_steps(ckpt, [4])  # 60 s without a successful save: give up
+    with pytest.raises(CheckpointError, match="give_up_after"):
         ckpt.raise_if_failed()
 
     faults.heal()
@@ -350,7 +383,7 @@ def test_a_fatal_failure_of_the_save_in_flight_stops_the_very_next_save(
     fence = Fence(faulty_store)
     fence.register(world_size=1)
     ckpt = Checkpointer(
-        CheckpointConfig(async_=True, max_consecutive_failures=0), faulty_store, may_commit=fence.check
+        CheckpointConfig(async_=True, give_up_after=timedelta(0)), faulty_store, may_commit=fence.check
     )
     faults.before_write = lambda _path: time.sleep(0.05)
     if error == "storage":
@@ -368,11 +401,15 @@ def test_a_fatal_failure_of_the_save_in_flight_stops_the_very_next_save(
     assert not [path for path in faults.writes + faults.failed_writes if step_dir_name(2) in path]
 
 
-def test_a_success_resets_the_count_of_failures_in_a_row(faulty_store: CheckpointStore) -> None:
-    ckpt = checkpointer(faulty_store, max_consecutive_failures=1)
+def test_a_success_restarts_the_give_up_clock(faulty_store: CheckpointStore) -> None:
+    clock = FakeClock()
+    ckpt = Checkpointer(
+        CheckpointConfig(async_=False, give_up_after=timedelta(seconds=60)), faulty_store, clock=clock
+    )
     for step in range(1, 10, 2):
         faults.fail_writes()
         save_steps(ckpt, [step])
+        clock.now += 50.0  # 250 s of intermittent failures, never 60 s without a success
         faults.heal()
         save_steps(ckpt, [step + 1])
     ckpt.close()
@@ -382,7 +419,7 @@ def test_a_success_resets_the_count_of_failures_in_a_row(faulty_store: Checkpoin
 def test_a_state_that_would_not_load_with_weights_only_is_refused_at_save_time(
     store: CheckpointStore,
 ) -> None:
-    ckpt = checkpointer(store, max_consecutive_failures=0)
+    ckpt = checkpointer(store, give_up_after=timedelta(0))
     state = Trainee().state()
     state[TRAINER_FILE]["versions"]["torch"] = torch.__version__  # a TorchVersion, not a str
 

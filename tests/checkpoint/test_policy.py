@@ -21,37 +21,42 @@ class FakeClock:
         self.now += seconds
 
 
+def due(schedule: SaveSchedule, step: int, failing: bool = False) -> bool:
+    """What the trainer asks after each step (the timer is rank 0's, the step triggers everyone's)."""
+    return schedule.step_due(step) or schedule.time_due(failing)
+
+
 def test_a_save_falls_due_once_the_interval_has_passed_since_the_last_one() -> None:
     clock = FakeClock()
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(minutes=10)), clock=clock)
 
-    assert not schedule.due(1)
+    assert not due(schedule, 1)
     clock.advance(599)
-    assert not schedule.due(2)
+    assert not due(schedule, 2)
     clock.advance(1)
-    assert schedule.due(3)
+    assert due(schedule, 3)
 
 
 def test_saving_restarts_the_interval() -> None:
     clock = FakeClock()
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(seconds=30)), clock=clock)
     clock.advance(45)
-    assert schedule.due(5)
+    assert due(schedule, 5)
 
     schedule.saved()
 
-    assert not schedule.due(6)
+    assert not due(schedule, 6)
     clock.advance(29.9)
-    assert not schedule.due(7)
+    assert not due(schedule, 7)
     clock.advance(0.1)
-    assert schedule.due(8)
+    assert due(schedule, 8)
 
 
 def test_every_steps_makes_each_multiple_due_whatever_the_clock_says() -> None:
     clock = FakeClock()
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(hours=1), every_steps=50), clock=clock)
 
-    assert [step for step in range(1, 201) if schedule.due(step)] == [50, 100, 150, 200]
+    assert [step for step in range(1, 201) if due(schedule, step)] == [50, 100, 150, 200]
 
 
 def test_each_milestone_step_is_saved_so_that_it_can_be_kept() -> None:
@@ -59,24 +64,24 @@ def test_each_milestone_step_is_saved_so_that_it_can_be_kept() -> None:
     cfg = CheckpointConfig(interval=timedelta(hours=1), every_steps=30, keep_every_steps=100)
     schedule = SaveSchedule(cfg, clock=clock)
 
-    assert [step for step in range(1, 201) if schedule.due(step)] == [30, 60, 90, 100, 120, 150, 180, 200]
+    assert [step for step in range(1, 201) if due(schedule, step)] == [30, 60, 90, 100, 120, 150, 180, 200]
 
 
 def test_every_steps_zero_leaves_only_the_timer() -> None:
     clock = FakeClock()
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(hours=1), every_steps=0), clock=clock)
 
-    assert not any(schedule.due(step) for step in range(0, 1000))
+    assert not any(due(schedule, step) for step in range(0, 1000))
     clock.advance(3600)
-    assert schedule.due(1001)
+    assert due(schedule, 1001)
 
 
 def test_the_clock_starts_when_the_schedule_is_created() -> None:
     clock = FakeClock(now=50_000.0)
     schedule = SaveSchedule(CheckpointConfig(interval=timedelta(seconds=10)), clock=clock)
-    assert not schedule.due(1)
+    assert not due(schedule, 1)
     clock.advance(10)
-    assert schedule.due(2)
+    assert due(schedule, 2)
 
 
 @pytest.mark.parametrize(
@@ -95,3 +100,21 @@ def test_the_clock_starts_when_the_schedule_is_created() -> None:
 )
 def test_retained_steps_keeps_the_newest_and_the_milestones(steps, keep_last, keep_every, expected) -> None:
     assert retained_steps(steps, keep_last, keep_every) == expected
+
+
+def test_while_saves_fail_the_timer_retries_sooner_backing_off_to_the_interval() -> None:
+    clock = FakeClock()
+    schedule = SaveSchedule(CheckpointConfig(interval=timedelta(minutes=30)), clock=clock)
+    schedule.saved()  # the save that failed
+    clock.advance(4)
+    assert not due(schedule, 1, failing=True)
+    clock.advance(1)
+    assert due(schedule, 2, failing=True)  # 5 s, not 30 minutes, after the failure
+    schedule.saved()
+    clock.advance(9)
+    assert not due(schedule, 3, failing=True)
+    clock.advance(1)
+    assert due(schedule, 4, failing=True)  # then 10 s
+    schedule.saved()
+    clock.advance(10)
+    assert not due(schedule, 5, failing=False)  # storage is back: the interval again

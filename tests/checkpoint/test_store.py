@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import pickle
 
@@ -11,11 +12,19 @@ import pytest
 import torch
 
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_dir_name
+from elastic_qa.checkpoint.store import (
+    MANIFEST,
+    REJECTED_DIR,
+    REJECTED_NOTE,
+    CheckpointError,
+    CheckpointStore,
+    StaleWriterError,
+    staging_dir_name,
+    step_dir_name,
+)
 from tests.checkpoint.faulty_fs import faults
 from tests.checkpoint.helpers import (
     TouchOnUnpickle,
-    age,
     crafted_plain_pickle,
     crafted_tensor_file,
     entries,
@@ -84,18 +93,81 @@ def test_a_local_checkpoint_holds_exactly_the_three_tensor_files_and_the_manifes
     assert sorted(os.listdir(tmp_path / "ckpt" / "step-00000420")) == sorted([*FILES, MANIFEST])
 
 
-def test_a_second_commit_of_the_same_step_returns_none_and_leaves_the_first_byte_identical(
+def test_a_second_commit_of_a_step_by_the_same_attempt_leaves_the_first_byte_identical(
     store: CheckpointStore,
 ) -> None:
+    """Two survivors of one attempt write the same step: the first stands, the second copy is dropped."""
     path = store.commit(7, small_files(7), manifest_fields())
     before = snapshot(store, path)
     root_before = entries(store)
 
-    assert store.commit(7, small_files(1234), manifest_fields(epoch=9)) is None
+    assert store.commit(7, small_files(1234), manifest_fields(epoch=9)) == path
 
     assert snapshot(store, path) == before
     assert entries(store) == root_before  # no leftover temporary directory either
     assert store.verify(path).ok
+
+
+def test_a_newer_attempt_supersedes_an_older_attempts_checkpoint_of_the_same_step(
+    store: CheckpointStore,
+) -> None:
+    """A replay across a step (e.g. after its newer checkpoint was rejected) must commit its own state."""
+    old = store.commit(7, small_files(7), manifest_fields(attempt=1))
+    old_manifest = store.read_manifest(old)
+
+    path = store.commit(7, small_files(1234), manifest_fields(attempt=2))
+
+    verdict = store.verify(path)
+    assert verdict.ok and verdict.manifest["attempt"] == 2
+    model = store.load_file(path, verdict.manifest, MODEL_FILE)
+    expected = torch.load(io.BytesIO(small_files(1234)[MODEL_FILE]), weights_only=True)
+    assert torch.equal(model["w"], expected["w"])
+    assert [info.step for info in store.list_steps(committed_only=False)] == [7]
+    kept = [name for name in entries(store) if name == REJECTED_DIR]
+    assert kept, "the superseded checkpoint's manifest is kept for forensics"
+    rejected = store.fs.find(store.path(REJECTED_DIR))
+    manifests = [p for p in rejected if p.endswith(MANIFEST)]
+    assert len(manifests) == 1
+    assert json.loads(store.fs.cat_file(manifests[0]))["files"] == old_manifest["files"]
+
+
+def test_an_older_attempt_may_not_commit_over_a_newer_attempts_checkpoint(store: CheckpointStore) -> None:
+    path = store.commit(7, small_files(7), manifest_fields(attempt=3))
+    before = snapshot(store, path)
+
+    with pytest.raises(StaleWriterError):
+        store.commit(7, small_files(1234), manifest_fields(attempt=2))
+
+    assert snapshot(store, path) == before
+    assert entries(store) == ["step-00000007"]
+
+
+def test_a_commit_over_a_damaged_checkpoint_of_its_own_attempt_replaces_it(store: CheckpointStore) -> None:
+    store.commit(7, small_files(7), manifest_fields())
+    flip_byte(store, file_path(store, 7, MODEL_FILE))
+
+    path = store.commit(7, small_files(1234), manifest_fields())
+
+    verdict = store.verify(path)
+    assert verdict.ok
+    model = store.load_file(path, verdict.manifest, MODEL_FILE)
+    expected = torch.load(io.BytesIO(small_files(1234)[MODEL_FILE]), weights_only=True)
+    assert torch.equal(model["w"], expected["w"])
+
+
+def test_quarantine_moves_a_checkpoint_out_of_listing_with_a_note_of_why(store: CheckpointStore) -> None:
+    keep = store.commit(3, small_files(3), manifest_fields())
+    bad = store.commit(5, small_files(5), manifest_fields())
+    before = {name.rsplit("/", 1)[-1]: data for name, data in snapshot(store, bad).items()}
+
+    target = store.quarantine(bad, "model.pt: sha256 mismatch")
+
+    assert [info.step for info in store.list_steps(committed_only=False)] == [3]
+    assert store.verify(keep).ok
+    moved = {name.rsplit("/", 1)[-1]: data for name, data in snapshot(store, target).items()}
+    note = json.loads(moved.pop(REJECTED_NOTE))
+    assert moved == before
+    assert note["original"] == "step-00000005" and "sha256" in note["reason"]
 
 
 def test_a_writer_that_loses_the_race_discards_its_copy_and_never_touches_the_winner(
@@ -111,7 +183,8 @@ def test_a_writer_that_loses_the_race_discards_its_copy_and_never_touches_the_wi
         }
         winner.update({name: data for name, data in snapshot(store, path).items() if name in referenced})
 
-    assert store.commit(7, small_files(2), manifest_fields(), may_commit=other_writer_commits_first) is None
+    path = store.path(step_dir_name(7))
+    assert store.commit(7, small_files(2), manifest_fields(), may_commit=other_writer_commits_first) == path
 
     path = store.path(step_dir_name(7))
     assert snapshot(store, path) == winner
@@ -215,21 +288,29 @@ def test_a_half_done_remove_leaves_a_directory_that_is_no_checkpoint(faulty_stor
     assert faulty_store.verify(keep).ok
 
 
-def test_clean_staging_removes_only_old_temporary_directories(tmp_path) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+def test_clean_staging_removes_only_older_attempts_staging_and_nothing_it_did_not_name(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(str(root))
     committed = store.commit(1, small_files(1), manifest_fields())
-    old = tmp_path / "ckpt" / ".tmp-step-00000002-aaaaaaaa"
-    young = tmp_path / "ckpt" / ".tmp-step-00000003-bbbbbbbb"
-    for directory in (old, young):
+    older = root / staging_dir_name(6, 2, "aaaaaaaa")
+    current = root / staging_dir_name(7, 3, "bbbbbbbb")
+    deleted = root / ".tmp-step-00000004-deleted-cccccccc"
+    legacy = root / ".tmp-step-00000005-dddddddd"  # staging named by earlier versions
+    strangers = [root / ".tmp-notes", root / ".tmp-a00000001-step-00000002-NOTHEX!!", root / ".tmp-mine"]
+    for directory in (older, current, deleted, legacy, *strangers):
         directory.mkdir()
         (directory / "model.pt").write_bytes(b"partial")
-    age(str(old), 3600)
-    age(committed, 3600)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("not ours")
+    link = root / staging_dir_name(1, 9, "eeeeeeee")
+    link.symlink_to(tmp_path / "elsewhere")
 
-    removed = store.clean_staging(older_than_s=60)
+    removed = store.clean_staging(attempt=7)
 
-    assert removed == [str(old)]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == [young.name, "step-00000001"]
+    assert sorted(removed) == sorted(str(p) for p in (older, deleted, legacy))
+    left = sorted(os.listdir(root))
+    assert left == sorted([current.name, link.name, "step-00000001", *(p.name for p in strangers)])
+    assert (tmp_path / "elsewhere" / "keep.txt").read_text() == "not ours"
     assert store.verify(committed).ok
 
 
@@ -237,7 +318,7 @@ def test_clean_staging_does_nothing_on_stores_without_rename() -> None:
     store = CheckpointStore("memory://ckpt-staging")
     store.commit(1, small_files(1), manifest_fields())
 
-    assert store.clean_staging(older_than_s=0) == []
+    assert store.clean_staging(attempt=9) == []
     assert [info.step for info in store.list_steps()] == [1]
 
 
@@ -331,7 +412,7 @@ def test_only_one_of_two_writers_racing_for_the_manifest_commits(
 
     path = faulty_store.path(step_dir_name(7))
     assert results["B"] == path
-    assert results["A"] is None  # A lost: it must not replace B's manifest
+    assert results["A"] == path  # A lost: it must not replace B's manifest (same attempt: B's stands)
     verdict = faulty_store.verify(path)
     assert verdict.ok
     model = faulty_store.load_file(path, verdict.manifest, MODEL_FILE)
@@ -359,5 +440,5 @@ def test_a_local_delete_that_fails_midway_leaves_no_step_directory_behind(tmp_pa
     assert [info.step for info in store.list_steps(committed_only=False)] == [2]
     assert not os.path.exists(path)
     assert store.verify(keep).ok
-    store.clean_staging(older_than_s=0)  # what a restarted job does first
+    store.clean_staging(attempt=2)  # what a restarted job does first
     assert entries(store) == ["step-00000002"]
