@@ -42,34 +42,35 @@ class CrashLoopDetector:
 
     torchrun restarts a failed group up to --max-restarts times, which is what elasticity needs, but a
     deterministic error (a checkpoint that does not fit the model, a bug at start-up) would then burn every
-    restart. Fed with log events, `verdict()` names the error once `attempts` attempts in a row failed
-    with it and none trained a step.
+    restart. Fed with log events, `verdict()` names the error once `attempts` worker processes in a row
+    failed with it and none of them trained a step. Failures are told apart by process, not by attempt
+    number: a start refused as bad input fails before it registers an attempt.
     """
 
     def __init__(self, attempts: int = 3) -> None:
         self.attempts = attempts
-        self.errors: dict[int, str] = {}
-        self.bad_input: set[int] = set()
-        self.trained: set[int] = set()
+        self.errors: dict[Any, tuple[float, str]] = {}  # process -> (when, error)
+        self.bad_input: set[Any] = set()
+        self.trained: set[Any] = set()
 
     def feed(self, events: list[dict[str, Any]]) -> None:
         for event in events:
-            attempt = event.get("attempt")
-            if attempt is None:
+            process = event.get("pid", event.get("attempt"))
+            if process is None:
                 continue
             if event.get("event") == "step":
-                self.trained.add(attempt)
-            elif event.get("event") in ("worker_crash", "bad_input"):
-                self.errors.setdefault(attempt, event.get("error", "?"))
+                self.trained.add(process)
+            elif event.get("event") in ("worker_crash", "bad_input") and process not in self.errors:
+                self.errors[process] = (event.get("ts", len(self.errors)), event.get("error", "?"))
                 if event["event"] == "bad_input":
-                    self.bad_input.add(attempt)
+                    self.bad_input.add(process)
 
     def verdict(self) -> tuple[str, bool] | None:
         """(the error, whether it is bad input) once the job is in a crash loop, else None."""
         if len(self.errors) < self.attempts:
             return None
-        newest = sorted(self.errors)[-self.attempts :]
-        messages = {self.errors[a] for a in newest}
-        if len(messages) == 1 and not self.trained.intersection(range(newest[0], newest[-1] + 1)):
+        newest = sorted(self.errors, key=lambda process: self.errors[process][0])[-self.attempts :]
+        messages = {self.errors[process][1] for process in newest}
+        if len(messages) == 1 and not self.trained.intersection(newest):
             return messages.pop(), newest[-1] in self.bad_input
         return None

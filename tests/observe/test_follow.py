@@ -31,6 +31,16 @@ def test_the_same_error_in_three_attempts_without_training_is_a_crash_loop() -> 
     assert detector.verdict() == ("ValueError: boom", True)
 
 
+def test_starts_refused_before_registering_an_attempt_are_told_apart_by_process() -> None:
+    """A start refused as bad input fails before it registers an attempt: every failure says attempt 0."""
+    detector = CrashLoopDetector(attempts=3)
+    for pid, ts in ((101, 1.0), (102, 2.0)):
+        detector.feed([{"event": "bad_input", "attempt": 0, "pid": pid, "ts": ts, "error": "does not fit"}])
+    assert detector.verdict() is None
+    detector.feed([{"event": "bad_input", "attempt": 0, "pid": 103, "ts": 3.0, "error": "does not fit"}])
+    assert detector.verdict() == ("does not fit", True)
+
+
 def test_training_in_between_or_different_errors_is_not_a_crash_loop() -> None:
     trained = CrashLoopDetector(attempts=3)
     trained.feed([crash(1), crash(2), {"event": "step", "attempt": 2, "step": 5}, crash(3)])
