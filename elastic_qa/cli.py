@@ -22,20 +22,13 @@ import torch
 
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_of
-from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict
+from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict, resolve_config
 from elastic_qa.data.cache import prepare
-from elastic_qa.data.features import features_for
 from elastic_qa.data.squad import DataError, QAExample, read_squad
-from elastic_qa.data.tokenizer import tokenizer_for
 from elastic_qa.evaluate import answers_from_windows, evaluate, predict_windows
-from elastic_qa.model import SpanQA
+from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
+from elastic_qa.models import ModelFamily, family_for
 from elastic_qa.observe.log import configure_logging
-
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
-
-
-class UsageError(Exception):
-    """Bad input on the command line; printed as one line, exit code 2."""
 
 
 def load_checkpoint(path: str) -> LoadedCheckpoint:
@@ -54,18 +47,22 @@ def load_checkpoint(path: str) -> LoadedCheckpoint:
     return loaded
 
 
-def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> tuple[SpanQA, Config]:
+def model_from_checkpoint(
+    loaded: LoadedCheckpoint, device: torch.device
+) -> tuple[torch.nn.Module, Config, ModelFamily]:
+    """The checkpoint's model in eval mode on `device`, the config it was trained with, and its family."""
     try:
         cfg = config_from_dict(loaded.trainer["config"])
+        family = family_for(cfg.model)
     except (ConfigError, KeyError, TypeError) as err:
         raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
-    model = SpanQA(tokenizer_for(cfg.data).vocab_size, cfg.model)
+    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size)
     try:
         model.load_state_dict(loaded.model)
     except RuntimeError as err:
         raise UsageError(f"{loaded.path}: model weights do not fit the stored config: {err}") from None
     # map_location="cpu" at load time, then here to wherever we run: works for GPU-trained checkpoints.
-    return model.to(device).eval(), cfg
+    return model.to(device).eval(), cfg, family
 
 
 def _device() -> torch.device:
@@ -73,7 +70,6 @@ def _device() -> torch.device:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from elastic_qa.train import resolve_config
 
     cfg = resolve_config(args.config, args.overrides)
     configure_logging(None, cfg.log.level)
@@ -92,16 +88,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     device = _device()
     loaded = load_checkpoint(args.checkpoint)
-    model, cfg = model_from_checkpoint(loaded, device)
+    model, cfg, family = model_from_checkpoint(loaded, device)
     if args.data:
         examples, _ = read_squad(args.data, cfg.data.skip_malformed)
-        features = features_for(examples, cfg.data)
+        features = family.features(examples, cfg)
     else:
         data = prepare(cfg.data)
         if data.eval is None:
             raise UsageError("the checkpoint's data has no evaluation split: pass --data FILE")
         examples, features = data.eval_examples, data.eval
-    scores = evaluate(model, features, examples, cfg.train.eval_batch_size, cfg.data.max_answer_len, device)
+    scores = evaluate(
+        model, family, features, examples, cfg.train.eval_batch_size, cfg.data.max_answer_len, device
+    )
     print(
         f"checkpoint {loaded.path} (step {loaded.step}): EM {scores['em']:.4f}  F1 {scores['f1']:.4f}  "
         f"on {scores['count']} questions"
@@ -112,17 +110,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     device = _device()
     loaded = load_checkpoint(args.checkpoint)
-    model, cfg = model_from_checkpoint(loaded, device)
+    model, cfg, family = model_from_checkpoint(loaded, device)
     example = QAExample("ask", args.question, args.context, ())
-    features = features_for([example], cfg.data)
-    windows = predict_windows(model, features, range(len(features)), 64, cfg.data.max_answer_len, device)
+    features = family.features([example], cfg)
+    windows = predict_windows(
+        model, family, features, range(len(features)), 64, cfg.data.max_answer_len, device
+    )
     answer = answers_from_windows(windows, [example])["ask"]
     print(answer if answer else "(no answer in the context)")
     return 0
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from elastic_qa.checkpoint import inspect
+    from elastic_qa import ckpt as inspect
 
     handlers = {"list": inspect.cmd_list, "verify": inspect.cmd_verify, "show": inspect.cmd_show}
     try:

@@ -169,6 +169,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
+    kind: Literal["native"] = "native"
+    """Model family (elastic_qa/models/): `native`, the built-in span encoder the fields below size."""
     d_model: int = 128
     """Hidden size."""
     n_layers: int = 2
@@ -532,6 +534,16 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         key, value = parse_override(text_override)
         _set_dotted(tree, key, value)
     return _build(Config, tree, "")
+
+
+def resolve_config(name: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """`--config NAME`: a YAML file, or the name of a packaged config (default, squad, tiny), + overrides."""
+    path = Path(name)
+    if not path.suffix and not path.exists():
+        path = packaged_config(name)
+        if not path.exists():
+            raise ConfigError(f"--config {name}: no such file or packaged config")
+    return load_config(path, overrides)
 
 
 def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:

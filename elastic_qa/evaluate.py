@@ -19,7 +19,7 @@ from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
 from elastic_qa.data.squad import QAExample
 from elastic_qa.metrics import squad_scores
-from elastic_qa.model import span_loss_per_window
+from elastic_qa.models import ModelFamily, model_inputs
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ def best_spans(
 @torch.no_grad()
 def predict_windows(
     model: nn.Module,
+    family: ModelFamily,
     features: Features,
     rows: range,
     batch_size: int,
@@ -68,8 +69,8 @@ def predict_windows(
             index = np.arange(first, min(first + batch_size, rows.stop))
             batch = collate(features, index)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                start, end = model(batch["input_ids"].to(device), batch["segment_ids"].to(device))
-            losses = span_loss_per_window(
+                start, end = model(**model_inputs(batch, device))
+            losses = family.span_loss_per_window(
                 start, end, batch["start_positions"].to(device), batch["end_positions"].to(device)
             ).cpu()
             best, s_tok, e_tok, null = (t.cpu() for t in best_spans(start, end, max_answer_len))
@@ -131,6 +132,7 @@ def _gather_windows(
 
 def evaluate(
     model: nn.Module,
+    family: ModelFamily,
     features: Features,
     examples: list[QAExample],
     batch_size: int,
@@ -143,7 +145,7 @@ def evaluate(
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     start, stop = rank_slice(len(features), world, rank)
     mine = predict_windows(
-        model, features, range(start, stop), batch_size, max_answer_len, device, autocast_dtype
+        model, family, features, range(start, stop), batch_size, max_answer_len, device, autocast_dtype
     )
     if distributed:
         mine = _gather_windows(mine, len(features), world, device)

@@ -9,12 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from elastic_qa.config import ModelConfig
 from elastic_qa.data.features import Features, build_features
 from elastic_qa.data.squad import read_squad
 from elastic_qa.data.tokenizer import PAD, WordTokenizer
 from elastic_qa.evaluate import WindowPrediction, answers_from_windows, best_spans, evaluate, predict_windows
+from elastic_qa.models import family_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
+FAMILY = family_for(ModelConfig())
 
 
 def brute_force(start: torch.Tensor, end: torch.Tensor, max_answer_len: int) -> tuple[float, int, int]:
@@ -119,11 +122,11 @@ class OracleModel(nn.Module):
             key = tuple(int(i) for i in ids[ids != PAD])
             self.targets[key] = (int(features.start_positions[row]), int(features.end_positions[row]))
 
-    def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor):
         start = torch.zeros(input_ids.shape, dtype=torch.float32)
         end = torch.zeros(input_ids.shape, dtype=torch.float32)
-        for row, ids in enumerate(input_ids):
-            s, e = self.targets[tuple(int(i) for i in ids[ids != PAD])]
+        for row, (ids, real) in enumerate(zip(input_ids, attention_mask.bool(), strict=True)):
+            s, e = self.targets[tuple(int(i) for i in ids[real])]
             start[row, s], end[row, e] = 10.0, 10.0
         return start, end
 
@@ -133,7 +136,7 @@ def test_evaluate_scores_an_oracle_model_perfectly_across_windows(fixture):
     examples, _ = read_squad(str(FIXTURES / fixture))
     features = build_features(examples, WordTokenizer(4096), 48, 16, 12)  # many windows per context
     assert len(features) > len(examples)
-    scores = evaluate(OracleModel(features), features, examples, 7, 30, torch.device("cpu"))
+    scores = evaluate(OracleModel(features), FAMILY, features, examples, 7, 30, torch.device("cpu"))
     assert (scores["em"], scores["f1"], scores["count"]) == (1.0, 1.0, len(examples))
 
 
@@ -141,7 +144,7 @@ def test_predict_windows_maps_token_spans_to_characters_and_restores_training_mo
     examples, _ = read_squad(str(FIXTURES / "squad-v2-handwritten.json"))
     features = build_features(examples, WordTokenizer(4096), 64, 16, 8)
     model = OracleModel(features).train()
-    windows = predict_windows(model, features, range(len(features)), 3, 30, torch.device("cpu"))
+    windows = predict_windows(model, FAMILY, features, range(len(features)), 3, 30, torch.device("cpu"))
     assert model.training
     assert len(windows) == len(features)
     for row, window in enumerate(windows):
@@ -158,7 +161,7 @@ def test_evaluate_of_a_subset_of_rows_is_not_double_counted():
     examples, _ = read_squad(str(FIXTURES / "squad-v2-dev-sample.json"))
     features = build_features(examples, WordTokenizer(4096), 64, 16, 8)
     windows = predict_windows(
-        OracleModel(features), features, range(len(features)), 64, 30, torch.device("cpu")
+        OracleModel(features), FAMILY, features, range(len(features)), 64, 30, torch.device("cpu")
     )
     assert (
         np.bincount([w.example_index for w in windows]).tolist()

@@ -1,20 +1,30 @@
-"""The span model: shapes, which positions may answer, and gradient checkpointing that changes nothing."""
+"""The model plug point and the native span model: the family a config names, shapes, which positions may
+answer, gradient checkpointing that changes nothing, and outputs bitwise those of the model before the
+plug point existed."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import subprocess
 
 import pytest
 import torch
 
-from elastic_qa.config import load_config, packaged_config
+from elastic_qa.config import ConfigError, ModelConfig, config_from_dict, load_config, packaged_config
 from elastic_qa.data.features import build_features
 from elastic_qa.data.loader import collate
 from elastic_qa.data.synthetic import generate
 from elastic_qa.data.tokenizer import PAD, SEP, WordTokenizer
-from elastic_qa.model import _MASKED, SpanQA, span_loss
+from elastic_qa.models import FAMILIES, family_for, model_inputs
+from elastic_qa.models.loss import span_loss
+from elastic_qa.models.native import _MASKED, SpanQA
+from tests.conftest import REPO
 
 VOCAB = 512
+CPU = torch.device("cpu")
+# The last commit before the plug point: the span model was elastic_qa/model.py, called model(ids, segments).
+BEFORE_PLUG_POINT = "18003bc"
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +38,27 @@ def model_config(**changes):
 
 
 def make_model(seed: int = 0, **changes) -> SpanQA:
+    cfg = dataclasses.replace(load_config(packaged_config("tiny")), model=model_config(**changes))
     torch.manual_seed(seed)
-    return SpanQA(VOCAB, model_config(**changes))
+    return family_for(cfg.model).build_model(cfg, VOCAB)
+
+
+def test_the_default_kind_is_the_native_span_model():
+    assert ModelConfig().kind == "native"
+    assert isinstance(make_model(), SpanQA)
+
+
+def test_an_unknown_kind_is_a_config_error_naming_model_kind():
+    with pytest.raises(ConfigError, match=r"^model\.kind='nope': must be one of native"):
+        family_for(dataclasses.replace(ModelConfig(), kind="nope"))
+    with pytest.raises(ConfigError, match=r"^model\.kind='nope'"):
+        config_from_dict({"model": {"kind": "nope"}})
+    assert set(FAMILIES) == {"native"}
 
 
 def test_logits_are_float32_batch_by_length(batch):
     model = make_model()
-    start, end = model(batch["input_ids"], batch["segment_ids"])
+    start, end = model(**model_inputs(batch, CPU))
     rows, length = batch["input_ids"].shape
     assert start.shape == end.shape == (rows, length)
     assert start.dtype == end.dtype == torch.float32
@@ -43,8 +67,8 @@ def test_logits_are_float32_batch_by_length(batch):
 
 def test_question_separator_and_padding_positions_get_the_masked_value(batch):
     model = make_model().eval()
-    ids, segments = batch["input_ids"], batch["segment_ids"]
-    start, end = model(ids, segments)
+    ids, segments = batch["input_ids"], batch["token_type_ids"]
+    start, end = model(**model_inputs(batch, CPU))
     cannot_answer = (segments == 0) | (ids == SEP) | (ids == PAD)
     cannot_answer[:, 0] = False  # [CLS]: "no answer in this window"
     assert cannot_answer.any() and (ids == PAD).any()
@@ -56,12 +80,14 @@ def test_question_separator_and_padding_positions_get_the_masked_value(batch):
 
 def test_padding_does_not_change_the_logits_of_real_tokens(batch):
     model = make_model().eval()
-    ids, segments = batch["input_ids"][:1], batch["segment_ids"][:1]
+    ids, segments = batch["input_ids"][:1], batch["token_type_ids"][:1]
     real = int((ids != PAD).sum())
-    start, end = model(ids[:, :real], segments[:, :real])
+    ones = torch.ones(1, real, dtype=torch.long)
+    start, end = model(input_ids=ids[:, :real], attention_mask=ones, token_type_ids=segments[:, :real])
     padded = torch.cat([ids[:, :real], torch.full((1, 7), PAD)], dim=1)
     padded_segments = torch.cat([segments[:, :real], torch.zeros(1, 7, dtype=torch.long)], dim=1)
-    start_p, end_p = model(padded, padded_segments)
+    mask = torch.cat([ones, torch.zeros(1, 7, dtype=torch.long)], dim=1)
+    start_p, end_p = model(input_ids=padded, attention_mask=mask, token_type_ids=padded_segments)
     torch.testing.assert_close(start_p[:, :real], start, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(end_p[:, :real], end, rtol=1e-5, atol=1e-5)
 
@@ -69,7 +95,7 @@ def test_padding_does_not_change_the_logits_of_real_tokens(batch):
 def loss_and_grads(model: SpanQA, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.train()
     model.zero_grad()
-    start, end = model(batch["input_ids"], batch["segment_ids"])
+    start, end = model(**model_inputs(batch, CPU))
     weights = torch.ones(len(batch["input_ids"]))
     loss = span_loss(start, end, batch["start_positions"], batch["end_positions"], weights)
     loss.backward()
@@ -91,7 +117,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(batch):
 
 def test_span_loss_is_a_weighted_sum_of_per_sample_losses(batch):
     model = make_model().eval()
-    start, end = model(batch["input_ids"], batch["segment_ids"])
+    start, end = model(**model_inputs(batch, CPU))
     s, e = batch["start_positions"], batch["end_positions"]
     ones = torch.ones(len(s))
     total = span_loss(start, end, s, e, ones)
@@ -107,8 +133,58 @@ def test_span_loss_is_a_weighted_sum_of_per_sample_losses(batch):
 
 def test_a_zero_weight_sample_contributes_no_gradient(batch):
     model = make_model()
-    start, end = model(batch["input_ids"][:1], batch["segment_ids"][:1])
+    start, end = model(**model_inputs(batch, CPU, slice(0, 1)))
     loss = span_loss(start, end, batch["start_positions"][:1], batch["end_positions"][:1], torch.zeros(1))
     loss.backward()
     assert loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def model_before_the_plug_point(tmp_path):
+    """The span model module as it was before the plug point, read from the repository's history."""
+    try:
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{BEFORE_PLUG_POINT}:elastic_qa/model.py"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"commit {BEFORE_PLUG_POINT} is not in this checkout (a shallow clone?)")
+    path = tmp_path / "model_before_plug_point.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("model_before_plug_point", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_the_native_family_is_bitwise_the_model_before_the_plug_point(batch, tmp_path, dropout):
+    """Same seed -> same state_dict (keys and values: old checkpoints load), same logits, loss, gradients."""
+    before = model_before_the_plug_point(tmp_path)
+    torch.manual_seed(5)
+    old = before.SpanQA(VOCAB, model_config(dropout=dropout))
+    new = make_model(seed=5, dropout=dropout)
+    old_state, new_state = old.state_dict(), new.state_dict()
+    assert list(new_state) == list(old_state)
+    assert all(torch.equal(new_state[k], old_state[k]) for k in old_state)
+    new.load_state_dict(old_state)  # strict
+    for model in (old, new):
+        model.train()
+        model.zero_grad()
+    torch.manual_seed(9)
+    old_start, old_end = old(batch["input_ids"], batch["token_type_ids"])
+    torch.manual_seed(9)
+    new_start, new_end = new(**model_inputs(batch, CPU))
+    assert torch.equal(new_start, old_start) and torch.equal(new_end, old_end)
+    targets = batch["start_positions"], batch["end_positions"], torch.ones(len(batch["input_ids"]))
+    old_loss, new_loss = (
+        before.span_loss(old_start, old_end, *targets),
+        span_loss(new_start, new_end, *targets),
+    )
+    assert torch.equal(new_loss, old_loss)
+    old_loss.backward()
+    new_loss.backward()
+    for (name, old_param), new_param in zip(old.named_parameters(), new.parameters(), strict=True):
+        assert torch.equal(new_param.grad, old_param.grad), name

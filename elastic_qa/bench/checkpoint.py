@@ -30,10 +30,9 @@ from elastic_qa.bench.common import (
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state
 from elastic_qa.checkpoint.store import CheckpointStore
-from elastic_qa.config import CheckpointConfig, Config, load_config, packaged_config
-from elastic_qa.data.tokenizer import build_tokenizer
-from elastic_qa.model import SpanQA
-from elastic_qa.trainer import build_optimizer
+from elastic_qa.config import CheckpointConfig, Config, resolve_config
+from elastic_qa.models import family_for
+from elastic_qa.optim import build_optimizer
 
 GOAL = 0.10
 # Model sizes: a packaged config's model section, plus overrides. `big` is ~13x the default's parameters.
@@ -60,13 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def training_state(cfg: Config) -> tuple[dict[str, Any], int]:
     """Model + AdamW after one step (so the moments exist), as the trainer would save it; and #params."""
+    family = family_for(cfg.model)
     torch.manual_seed(cfg.run.seed)
-    vocab = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.lowercase).vocab_size
-    model = SpanQA(vocab, cfg.model)
+    vocab = family.tokenizer(cfg).vocab_size
+    model = family.build_model(cfg, vocab)
     optimizer = build_optimizer(model, cfg)
-    ids = torch.randint(4, vocab, (8, cfg.data.max_seq_len))
+    ids = torch.randint(4, vocab, (8, cfg.data.max_seq_len))  # no padding: every token is real
     segments = (torch.arange(cfg.data.max_seq_len) > cfg.data.max_query_len).long().expand(8, -1)
-    start, end = model(ids, segments)
+    start, end = model(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=segments)
     (start.logsumexp(-1) + end.logsumexp(-1)).mean().backward()
     optimizer.step()
     state = {
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in args.models:
         config, overrides = MODELS[name]
-        cfg = load_config(packaged_config(config), overrides)
+        cfg = resolve_config(config, overrides)
         state, params = training_state(cfg)
         root.mkdir(parents=True, exist_ok=True)
         target = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))  # fresh: no earlier step to collide

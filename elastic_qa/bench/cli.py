@@ -26,11 +26,11 @@ from pathlib import Path
 
 import structlog
 
-from elastic_qa.bench.common import BenchError, UsageError, write_json
+from elastic_qa.bench.common import BenchError, write_json
+from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.observe.log import configure_logging
 
 BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift")
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
 
 def main(argv: list[str]) -> int:

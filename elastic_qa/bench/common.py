@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.config import parse_duration
-
-
-class UsageError(Exception):
-    """Bad input on the command line: printed as one line, exit code 2."""
+from elastic_qa.exits import UsageError
 
 
 class BenchError(RuntimeError):

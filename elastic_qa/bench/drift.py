@@ -22,7 +22,7 @@ from elastic_qa.bench.common import (
     new_parser,
     positive_int,
 )
-from elastic_qa.bench.runs import load_config, run_logged, torchrun, worker_env
+from elastic_qa.bench.runs import bench_config, run_logged, torchrun, worker_env
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise UsageError(f"--world-sizes {args.world_sizes}: must be >= 1")
     if args.every > args.steps:
         raise UsageError(f"--every {args.every} is more than --steps {args.steps}: no milestone to compare")
-    load_config(args.config, args.overrides)  # a bad config is a usage error now, not a failed run later
+    bench_config(args.config, args.overrides)  # a bad config is a usage error now, not a failed run later
     worlds = sorted({1, *args.world_sizes})
     runs: dict[str, dict[int, dict]] = {}
     for world in worlds:

@@ -3,10 +3,10 @@
     torchrun --standalone --nproc_per_node=2 -m elastic_qa.bench.plain_ddp --config default \\
         --out stamps.json train.max_steps=300
 
-Same model (SpanQA, same seed), same memory-mapped cached features and collate, same global batch, DDP
-bucket size, AdamW lr and weight decay, threads per process as the product; none of the product's
-machinery: no global cursor, control all-reduce, grad clipping, LR schedule, step timer, logging or
-checkpoints. Rank 0 records the wall-clock time at the end of every step, and how long the step's data,
+Same model (the config's model family, same seed), same memory-mapped cached features and collate, same
+global batch, DDP bucket size, AdamW lr and weight decay, threads per process as the product; none of the
+product's machinery: no global cursor, control all-reduce, grad clipping, LR schedule, step timer, logging
+or checkpoints. Rank 0 records the wall-clock time at the end of every step, and how long the step's data,
 forward+backward and optimizer phases took (perf_counter, as the product's step timer), in --out.
 
 --tuned gives the loop the product's own optimizer (trainer.build_optimizer: its parameter groups and AdamW
@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from elastic_qa.config import resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
 from elastic_qa.dist import exit_process
-from elastic_qa.model import SpanQA, span_loss
-from elastic_qa.trainer import build_optimizer
+from elastic_qa.models import family_for, model_inputs
+from elastic_qa.optim import build_optimizer
 
 
 class Indices(Dataset):
@@ -70,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from elastic_qa.train import resolve_config
 
     cfg = resolve_config(args.config, args.overrides)
     cuda = torch.cuda.is_available()
@@ -95,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         drop_last=True,
         pin_memory=cuda,
     )
+    family = family_for(cfg.model)
     torch.manual_seed(cfg.run.seed)
     model = DistributedDataParallel(
-        SpanQA(data.vocab_size, cfg.model).to(device),
+        family.build_model(cfg, data.vocab_size).to(device),
         device_ids=[local_rank] if cuda else None,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
         gradient_as_bucket_view=args.tuned,
@@ -118,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in loader:
             fetched = time.perf_counter()
             optimizer.zero_grad()
-            start, end = model(batch["input_ids"].to(device), batch["segment_ids"].to(device))
+            start, end = model(**model_inputs(batch, device))
             count = start.shape[0]
             loss = (
-                span_loss(
+                family.span_loss(
                     start,
                     end,
                     batch["start_positions"].to(device),

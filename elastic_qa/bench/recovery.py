@@ -40,7 +40,7 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import load_config
+from elastic_qa.bench.runs import bench_config
 from elastic_qa.observe.follow import LogFollower
 
 GOAL = 1.5
@@ -131,7 +131,7 @@ def new_group_events(
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    load_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
+    bench_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
     pairs = [(case, variant) for case in args.cases for variant in ("product", "bare")]
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
     for rep, (case, variant) in alternate(args.reps, pairs):

@@ -2,7 +2,7 @@
 
 The data position is one global cursor, so seeking should cost the same wherever it points: the times
 should be flat across positions. One short single-process run makes a checkpoint; copies of it with the
-cursor moved (trainer.pt: data.samples_consumed and trainer.samples_consumed) are committed through
+cursor moved (trainer.pt: data.samples_consumed) are committed through
 CheckpointStore.commit, so their manifests verify like any other. Each resume is
 `python -m elastic_qa.train` with log.every_steps=1, timed from Popen to the first `step` event's `ts`,
 then killed (it must not write a newer checkpoint over the copy). Positions alternate within each rep.
@@ -32,7 +32,7 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import events_of, load_config, run_logged, worker_env
+from elastic_qa.bench.runs import bench_config, events_of, run_logged, worker_env
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
@@ -75,13 +75,12 @@ def moved_copy(store: CheckpointStore, path: str, samples: int, target: Path) ->
     manifest = store.read_manifest(path)
     files = {name: store.fs.cat_file(f"{path}/{entry['name']}") for name, entry in manifest["files"].items()}
     trainer = torch.load(io.BytesIO(files[TRAINER_FILE]), weights_only=True)
-    trainer["data"].update(epoch=0, samples_consumed=samples)
-    trainer["trainer"].update(epoch=0, samples_consumed=samples)
+    trainer["data"].update(epoch=0, samples_consumed=samples)  # the one data position
     files[TRAINER_FILE] = serialize(trainer)
     fields = {key: value for key, value in manifest.items() if key not in OWN_MANIFEST_FIELDS}
     copy = CheckpointStore(str(target))
     committed = copy.commit(manifest["step"], files, fields)
-    if committed is None or not copy.verify(committed).ok:
+    if not copy.verify(committed).ok:
         raise BenchError(f"the moved checkpoint in {target} does not verify")
 
 
@@ -118,7 +117,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bad = [p for p in args.positions if not 0 <= p < 100]
     if bad:
         raise UsageError(f"--positions: {bad[0]} is not a percentage in [0, 100)")
-    cfg = load_config(args.config, args.overrides)
+    cfg = bench_config(args.config, args.overrides)
     samples = len(prepare(cfg.data).train)
     print(f"[resume] base checkpoint: {BASE_STEPS} steps of {args.config} ...", flush=True)
     store, path = base_checkpoint(args.config, args.overrides, work / "base")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.bench.common import BenchError, UsageError
-from elastic_qa.config import Config, ConfigError, format_duration
+from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.observe.follow import read_events
@@ -27,10 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 NO_CHECKPOINTS = "checkpoint.interval=1000h"  # the final checkpoint still happens, after the last step
 
 
-def load_config(name: str, overrides: list[str]) -> Config:
+def bench_config(name: str, overrides: list[str]) -> Config:
     """The resolved config, with its feature cache built now so that no measured run pays for it."""
-    from elastic_qa.train import resolve_config
-
     try:
         cfg = resolve_config(name, overrides)
         prepare(cfg.data)

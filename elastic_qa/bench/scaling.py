@@ -27,7 +27,7 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import Spec, default_threads, load_config, run_product
+from elastic_qa.bench.runs import Spec, bench_config, default_threads, run_product
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise UsageError(f"--world-sizes: {worlds[0]} is not a positive number of ranks")
     if not 0 <= args.skip < 1:
         raise UsageError(f"--skip {args.skip}: must be in [0, 1)")
-    cfg = load_config(args.config, [*args.overrides, f"train.max_steps={args.steps}"])
+    cfg = bench_config(args.config, [*args.overrides, f"train.max_steps={args.steps}"])
     batch = cfg.train.global_batch_size
     spec = Spec(args.config, args.overrides, args.steps, cfg.log.every_steps, args.skip)
     spec.window  # noqa: B018 - too few steps for a window: a usage error now, not after the first run

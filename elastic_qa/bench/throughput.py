@@ -33,8 +33,8 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import (
     Spec,
+    bench_config,
     default_threads,
-    load_config,
     median_chunk_step_s,
     run_logged,
     run_product,
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     world, interval = args.world_size, args.checkpoint_interval
     steps = args.steps or (1200 if interval else 300)
     threads = args.threads or default_threads(world)
-    cfg = load_config(args.config, [*args.overrides, f"train.max_steps={steps}", f"train.threads={threads}"])
+    cfg = bench_config(args.config, [*args.overrides, f"train.max_steps={steps}", f"train.threads={threads}"])
     batch = cfg.train.global_batch_size
     if batch % world:
         raise UsageError(f"train.global_batch_size={batch} must be divisible by --world-size {world}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_qa.config import load_config, packaged_config
+from elastic_qa.config import resolve_config
 
 SLEEP_S = 0.02
 
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="default")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    path = Path(args.config)
-    cfg = load_config(path if path.exists() else packaged_config(args.config), args.overrides)
+    cfg = resolve_config(args.config, args.overrides)
     dist.init_process_group("gloo", timeout=cfg.dist.timeout)
     identity = {
         "rank": dist.get_rank(),

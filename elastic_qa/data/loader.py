@@ -88,12 +88,18 @@ class FeatureBatches(torch.utils.data.Dataset):
 
 
 def collate(features: Features, rows: np.ndarray, key: RankBatchKey | None = None) -> dict[str, Any]:
+    """Windows `rows` as a batch under the transformers names (the model's inputs, see models.MODEL_INPUTS):
+    `attention_mask` is 1 for real tokens and 0 for padding, `token_type_ids` the cached `segment_ids`.
+    With a key, also the trainer's bookkeeping: step, epoch, global_count, global_tokens, indices, weights.
+    """
     ids = features.input_ids[rows]
-    lengths = (ids != PAD).sum(axis=1)
+    real = ids != PAD
+    lengths = real.sum(axis=1)
     width = int(lengths.max())
     batch: dict[str, Any] = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :width])).long(),
-        "segment_ids": torch.from_numpy(np.ascontiguousarray(features.segment_ids[rows, :width])).long(),
+        "attention_mask": torch.from_numpy(np.ascontiguousarray(real[:, :width])).long(),
+        "token_type_ids": torch.from_numpy(np.ascontiguousarray(features.segment_ids[rows, :width])).long(),
         "start_positions": torch.from_numpy(features.start_positions[rows].astype(np.int64)),
         "end_positions": torch.from_numpy(features.end_positions[rows].astype(np.int64)),
         "tokens": int(lengths.sum()),

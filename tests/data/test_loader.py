@@ -108,7 +108,9 @@ def test_pads_are_trimmed_to_the_longest_sequence_in_the_batch(features):
     width = int(lengths[rows].max())
     assert width < features.input_ids.shape[1]
     assert batch["input_ids"].shape == (5, width)
-    assert batch["segment_ids"].shape == (5, width)
+    assert batch["token_type_ids"].shape == batch["attention_mask"].shape == (5, width)
+    assert torch.equal(batch["token_type_ids"], torch.from_numpy(features.segment_ids[rows, :width]).long())
+    assert torch.equal(batch["attention_mask"], (batch["input_ids"] != PAD).long())
     assert torch.equal(batch["input_ids"], torch.from_numpy(features.input_ids[rows, :width]).long())
     assert (np.asarray(features.input_ids)[rows, width:] == PAD).all()  # only pads were cut
     assert batch["tokens"] == int(lengths[rows].sum())

@@ -1,4 +1,4 @@
-"""A small transformer encoder with start/end span heads (extractive QA)."""
+"""The native family: a small transformer encoder with start/end span heads, on the hashed-word tokenizer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from elastic_qa.config import ModelConfig
-from elastic_qa.data.tokenizer import PAD, SEP
+from elastic_qa.config import Config, ModelConfig
+from elastic_qa.data.features import Features, features_for
+from elastic_qa.data.squad import QAExample
+from elastic_qa.data.tokenizer import PAD, SEP, Tokenizer, tokenizer_for
 
 # Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
 _MASKED = -1e4
@@ -25,14 +27,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
-def _in_question(input_ids: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+def _in_question(input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
     """1 where a context token also occurs in the question (DrQA's exact-match feature), else 0.
 
     It hands the model the lexical overlap that a small encoder otherwise needs many steps to discover.
     """
-    question = (segment_ids == 0) & (input_ids > SEP)  # question words, not [CLS]/[SEP]/padding
+    question = (token_type_ids == 0) & (input_ids > SEP)  # question words, not [CLS]/[SEP]/padding
     same = input_ids[:, :, None] == input_ids[:, None, :]
-    return ((same & question[:, None, :]).any(dim=2) & (segment_ids == 1)).long()
+    return ((same & question[:, None, :]).any(dim=2) & (token_type_ids == 1)).long()
 
 
 class EncoderLayer(nn.Module):
@@ -81,7 +83,7 @@ class SpanQA(nn.Module):
         super().__init__()
         self.grad_checkpointing = cfg.grad_checkpointing
         self.tokens = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
-        self.segments = nn.Embedding(2, cfg.d_model)
+        self.segments = nn.Embedding(2, cfg.d_model)  # token types; the name is a key checkpoints carry
         self.in_question = nn.Embedding(2, cfg.d_model)
         self.embed_norm = nn.LayerNorm(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -94,17 +96,21 @@ class SpanQA(nn.Module):
         self.span_head = nn.Linear(cfg.d_model, 2, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, segment_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start and end logits, float32 [batch, length]; positions that cannot answer are masked."""
+        """Start and end logits, float32 [batch, length]; positions that cannot answer are masked.
+
+        The transformers argument names: `attention_mask` is 1 for real tokens and 0 for padding,
+        `token_type_ids` 0 for the question and 1 for the context.
+        """
         length = input_ids.shape[1]
         positions = torch.arange(length, device=input_ids.device)
-        keep = (input_ids != PAD)[:, None, None, :]  # attend to real tokens only
+        keep = attention_mask.bool()[:, None, None, :]  # attend to real tokens only
         cos, sin = _rotary_tables(length, self.head_dim, input_ids.device)
         x = (
             self.tokens(input_ids)
-            + self.segments(segment_ids)
-            + self.in_question(_in_question(input_ids, segment_ids))
+            + self.segments(token_type_ids)
+            + self.in_question(_in_question(input_ids, token_type_ids))
         )
         x = self.dropout(self.embed_norm(x))
         for layer in self.layers:
@@ -113,28 +119,21 @@ class SpanQA(nn.Module):
             else:
                 x = layer(x, keep, cos, sin)
         logits = self.span_head(self.final_norm(x)).float()
-        answerable = ((segment_ids == 1) & (input_ids != SEP)) | (positions == 0)
+        answerable = ((token_type_ids == 1) & (input_ids != SEP)) | (positions == 0)
         logits = logits.masked_fill(~answerable.unsqueeze(-1), _MASKED)
         return logits[..., 0], logits[..., 1]
 
 
-def span_loss_per_window(
-    start_logits: torch.Tensor,
-    end_logits: torch.Tensor,
-    start_positions: torch.Tensor,
-    end_positions: torch.Tensor,
-) -> torch.Tensor:
-    """Mean of the start and end cross-entropies, per window."""
-    start = F.cross_entropy(start_logits, start_positions, reduction="none")
-    return 0.5 * (start + F.cross_entropy(end_logits, end_positions, reduction="none"))
+# The family's entries (models.FAMILIES): the model, and the tokenizer and windows of the data config.
 
 
-def span_loss(
-    start_logits: torch.Tensor,
-    end_logits: torch.Tensor,
-    start_positions: torch.Tensor,
-    end_positions: torch.Tensor,
-    weights: torch.Tensor,
-) -> torch.Tensor:
-    """Weighted *sum* over the batch of the per-window span loss (the caller normalises)."""
-    return (span_loss_per_window(start_logits, end_logits, start_positions, end_positions) * weights).sum()
+def build_model(cfg: Config, vocab_size: int) -> SpanQA:
+    return SpanQA(vocab_size, cfg.model)
+
+
+def tokenizer(cfg: Config) -> Tokenizer:
+    return tokenizer_for(cfg.data)
+
+
+def features(examples: list[QAExample], cfg: Config) -> Features:
+    return features_for(examples, cfg.data)

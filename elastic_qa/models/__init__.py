@@ -1,0 +1,73 @@
+"""QA model families, chosen by `model.kind`: the one place that knows which model a config trains.
+
+The trainer, evaluation, `elastic-qa eval|ask` and the benchmarks ask `family_for(cfg.model)` and never
+name a model class, so another family (a pretrained transformers model with its own tokenizer, say) plugs
+in as one more registry entry. Every family's model takes the transformers argument names and returns
+float32 start and end logits [batch, length], position 0 standing for "no answer in this window":
+
+    start_logits, end_logits = model(**model_inputs(batch, device))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_qa.config import Config, ConfigError, ModelConfig
+from elastic_qa.data.features import Features
+from elastic_qa.data.squad import QAExample
+from elastic_qa.data.tokenizer import Tokenizer
+from elastic_qa.models import native
+from elastic_qa.models.loss import span_loss, span_loss_per_window
+
+# The batch keys a model is called with (data.loader.collate produces them).
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model with the tokenizer and windows it reads, and the loss it trains with.
+
+    Every function takes the whole resolved config: a family may need settings from several sections.
+    """
+
+    build_model: Callable[[Config, int], nn.Module]
+    """(cfg, vocab_size) -> a model initialised from torch's current RNG state (seed it first)."""
+    tokenizer: Callable[[Config], Tokenizer]
+    """cfg -> the tokenizer the model reads."""
+    features: Callable[[list[QAExample], Config], Features]
+    """(examples, cfg) -> their windows, tokenised for the model."""
+    span_loss: Callable[..., torch.Tensor]
+    """(start_logits, end_logits, start_positions, end_positions, weights) -> weighted sum over windows."""
+    span_loss_per_window: Callable[..., torch.Tensor]
+    """(start_logits, end_logits, start_positions, end_positions) -> loss per window."""
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "native": ModelFamily(
+        build_model=native.build_model,
+        tokenizer=native.tokenizer,
+        features=native.features,
+        span_loss=span_loss,
+        span_loss_per_window=span_loss_per_window,
+    ),
+}
+
+
+def family_for(cfg: ModelConfig) -> ModelFamily:
+    """The family `model.kind` names."""
+    family = FAMILIES.get(cfg.kind)
+    if family is None:
+        raise ConfigError(f"model.kind={cfg.kind!r}: must be one of {', '.join(FAMILIES)}")
+    return family
+
+
+def model_inputs(
+    batch: Mapping[str, Any], device: torch.device, rows: slice = slice(None)
+) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for `rows` of a batch, on `device` (non-blocking from pinned memory)."""
+    return {name: batch[name][rows].to(device, non_blocking=True) for name in MODEL_INPUTS}
