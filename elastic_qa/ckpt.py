@@ -13,6 +13,7 @@ from typing import Any
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore, step_of
 from elastic_qa.config import CheckpointConfig
+from elastic_qa.state import ResumeError, upgrade
 
 PRUNED = "pruned while verifying"
 
@@ -116,7 +117,7 @@ def cmd_show(path: str) -> int:
     try:
         loaded = checkpointer.load_step(store.root, -1 if step is None else step)
         lines = _describe(path, loaded.trainer, loaded.manifest)
-    except (CheckpointError, OSError, ValueError) as err:
+    except (CheckpointError, ResumeError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: not a valid checkpoint: {_one_line(err)}") from None
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # verified, but not what we write
         reason = _one_line(f"{type(err).__name__}: {err}")
@@ -125,15 +126,16 @@ def cmd_show(path: str) -> int:
     return 0
 
 
-def _describe(path: str, state: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
-    trainer = state["trainer"]
+def _describe(path: str, trainer_file: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    state = upgrade(trainer_file, path)
+    counters, data, saved_by = state["counters"], state["data"], state["saved_by"]
     lines = [
         f"checkpoint {path}",
-        f"  step {trainer['step']}  epoch {trainer['epoch']}  samples consumed in epoch "
-        f"{trainer['samples_consumed']}  tokens seen {trainer['tokens_seen']}",
-        f"  world size at save {trainer['world_size']}  global batch {trainer['global_batch_size']}  "
-        f"attempt {trainer.get('attempt', '?')}",
-        f"  lr {state['scheduler'].get('_last_lr', ['?'])[0]}  created {manifest.get('created')}  "
+        f"  step {counters['step']}  epoch {data['epoch']}  samples consumed in epoch "
+        f"{data['samples_consumed']}  tokens seen {counters['tokens_seen']}",
+        f"  world size at save {saved_by['world_size']}  global batch {saved_by['global_batch_size']}  "
+        f"attempt {saved_by.get('attempt', '?')}",
+        f"  lr {state['lr_scheduler'].get('_last_lr', ['?'])[0]}  created {manifest.get('created')}  "
         f"config {str(manifest.get('config_hash', ''))[:12]}  versions {manifest.get('versions')}",
         f"  rng states for ranks {sorted(state['rng'])}",
     ]

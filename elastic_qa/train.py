@@ -17,17 +17,19 @@ import traceback
 from pathlib import Path
 
 from elastic_qa.checkpoint.store import CheckpointError
-from elastic_qa.config import Config, ConfigError, load_config, packaged_config
+from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
+from elastic_qa.elastic.control import PeerFailure
+from elastic_qa.elastic.session import FinalStateError
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.elastic.watchdog import EXIT_AGENT_LOST, AgentWatchdog
+from elastic_qa.elastic.watchdog import AgentWatchdog
+from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
 from elastic_qa.observe.console import print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
-from elastic_qa.trainer import EXIT_REGROUP, FinalStateError, PeerFailure, ResumeError, Trainer
-
-EXIT_BAD_INPUT = 2
+from elastic_qa.state import ResumeError
+from elastic_qa.trainer import Trainer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,15 +45,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
     return parser.parse_args(argv)
-
-
-def resolve_config(name: str, overrides: list[str]) -> Config:
-    path = Path(name)
-    if not path.suffix and not path.exists():
-        path = packaged_config(name)
-        if not path.exists():
-            raise ConfigError(f"--config {name}: no such file or packaged config")
-    return load_config(path, overrides)
 
 
 def write_resolved_config(cfg: Config) -> None:

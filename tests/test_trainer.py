@@ -14,7 +14,7 @@ import torch
 from chaos.evidence import final_parameters, load_events, parameter_difference
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.trainer import lr_multiplier
+from elastic_qa.optim import lr_multiplier
 from tests.conftest import tiny_overrides
 
 STEPS = 40

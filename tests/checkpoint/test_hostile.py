@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from elastic_qa.checkpoint import inspect
+from elastic_qa import ckpt as inspect
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, serialize, step_dir_name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.checkpoint import inspect
+from elastic_qa import ckpt as inspect
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, step_dir_name

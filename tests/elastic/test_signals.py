@@ -16,9 +16,8 @@ import pytest
 
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.elastic.watchdog import EXIT_AGENT_LOST
+from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_REGROUP
 from elastic_qa.observe.follow import read_events
-from elastic_qa.trainer import EXIT_REGROUP
 from tests.conftest import tiny_overrides
 
 # The worker's situation, reduced: the signal arrives while the main thread holds the log writer's lock.

@@ -19,7 +19,8 @@ import pytest
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import load_config
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.elastic.watchdog import EXIT_AGENT_LOST, AgentWatchdog
+from elastic_qa.elastic.watchdog import AgentWatchdog
+from elastic_qa.exits import EXIT_AGENT_LOST
 from elastic_qa.observe.follow import read_events
 from tests.conftest import REPO, tiny_overrides
 

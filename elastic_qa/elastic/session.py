@@ -1,0 +1,299 @@
+"""A worker's checkpoints for one attempt: restore, register, and every kind of save.
+
+Order at start-up, so that a start refused as bad input writes nothing:
+    restore()   rank 0 picks the newest checkpoint that verifies, every rank loads it (reads only)
+    register()  rank 0 claims the next attempt number (fencing), clears what older attempts left (their
+                staging, the checkpoints rejected at restore) and restores again if a checkpoint newer than
+                the restored one was committed meanwhile by a group that was still running
+Saves: periodic (async, storage errors tolerated for checkpoint.give_up_after), stop and emergency (retried
+for checkpoint.emergency_retry_for), final (retried for checkpoint.final_retry_for; the job is done only
+once it is committed and verified).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
+from elastic_qa.checkpoint.policy import SaveSchedule
+from elastic_qa.checkpoint.state import rng_state, versions
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
+from elastic_qa.config import Config
+from elastic_qa.dist import DistContext
+from elastic_qa.elastic.fencing import Fence
+from elastic_qa.observe.log import get_logger, update_identity
+from elastic_qa.state import ResumeError, TrainState, gather_rng_states
+
+
+class FinalStateError(RuntimeError):
+    """Training reached max_steps but its final state could not be committed: the job is not done."""
+
+
+class CheckpointSession:
+    def __init__(self, cfg: Config, ctx: DistContext, state: TrainState, control_group: Any) -> None:
+        self.cfg, self.ctx, self.state = cfg, ctx, state
+        self.control_group = control_group
+        self.log = get_logger()
+        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.fence = Fence(self.store)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.store, may_commit=self.fence.check, before_file=storage_fault_hook(cfg)
+        )
+        self.schedule = SaveSchedule(cfg.checkpoint)
+        # The outcome of the final save travels on a group whose timeout covers its retries.
+        self.final_group = None
+        if ctx.distributed:
+            final_timeout = cfg.checkpoint.final_retry_for + cfg.dist.timeout + timedelta(minutes=1)
+            self.final_group = dist.new_group(backend="gloo", timeout=final_timeout)
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"single-{uuid.uuid4().hex[:12]}"
+        self.attempt = 0
+        self.rejected: list[Rejection] = []
+        self.restored: LoadedCheckpoint | None = None
+        self.on_stall: Callable[[float], None] = lambda seconds: None
+
+    # ---- start-up -----------------------------------------------------------------------------------
+    def restore(self) -> LoadedCheckpoint | None:
+        """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing."""
+        verdict = torch.tensor([-1, 0], dtype=torch.int64)  # chosen step, refused
+        loaded, refusal = None, ""
+        if self.ctx.is_main:
+            try:
+                loaded = self._choose()
+                verdict[0] = loaded.step if loaded else -1
+            except ResumeError as err:
+                refusal, verdict[1] = str(err), 1
+        if self.ctx.distributed:
+            dist.broadcast(verdict, src=0, group=self.control_group)
+        if verdict[1]:
+            raise ResumeError(refusal or "rank 0 refused to resume (its log says why)")
+        if verdict[0] >= 0 and loaded is None:
+            path = self.store.path(step_dir_name(int(verdict[0])))
+            loaded = self.checkpointer.load_step(path, int(verdict[0]))
+        if loaded is not None:
+            self.state.load_state_dict(loaded)
+        self.restored = loaded
+        return loaded
+
+    def _choose(self) -> LoadedCheckpoint | None:
+        """Rank 0: the checkpoint to resume, or None to start fresh; ResumeError: the start must not go on."""
+        cfg = self.cfg
+        if not cfg.checkpoint.resume:
+            foreign = [info for info in self.store.list_steps() if self._run_id_of(info.path) != self.run_id]
+            if foreign:
+                raise ResumeError(
+                    f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another job "
+                    f"(newest: step {foreign[-1].step}); use a new run.dir or checkpoint.dir, or resume them"
+                )
+        self.rejected = []
+        loaded = self.checkpointer.load_newest(self.rejected)
+        if loaded is None and cfg.checkpoint.require_resume:
+            raise ResumeError(
+                f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
+            )
+        if loaded is not None and loaded.step > cfg.train.max_steps:
+            raise ResumeError(
+                f"checkpoint {self.store.display(loaded.path)} is at step {loaded.step}, past "
+                f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
+            )
+        return loaded
+
+    def _run_id_of(self, path: str) -> str | None:
+        try:
+            return self.store.read_manifest(path).get("run_id")
+        except (OSError, ValueError):
+            return None
+
+    def register(self) -> int:
+        """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""
+        info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
+        if self.ctx.is_main:
+            info[0] = self.fence.register(self.ctx.world_size)
+            self.store.clean_staging(int(info[0]))
+            for rejection in self.rejected:
+                self._quarantine(rejection)
+            committed = self.store.list_steps()
+            restored_step = self.restored.step if self.restored else -1
+            info[1] = int(bool(committed) and committed[-1].step > restored_step)
+        if self.ctx.distributed:
+            dist.broadcast(info, src=0, group=self.control_group)
+        self.attempt = self.fence.attempt = int(info[0])
+        update_identity(attempt=self.attempt)
+        if info[1]:
+            self.log.warning("checkpoint_appeared", restored_step=self.state.step)
+            self.restore()
+        return self.attempt
+
+    def _quarantine(self, rejection: Rejection) -> None:
+        try:
+            target = self.store.quarantine(rejection.path, rejection.reason)
+            self.log.warning(
+                "checkpoint_quarantined",
+                step=rejection.step,
+                path=self.store.display(target),
+                reason=rejection.reason,
+            )
+        except (OSError, CheckpointError) as err:  # a replay of that step supersedes it all the same
+            self.log.warning("checkpoint_quarantine_failed", step=rejection.step, error=str(err))
+
+    @property
+    def resumed_step(self) -> int | None:
+        return self.restored.step if self.restored else None
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def save(self, reason: str) -> None:
+        """A periodic checkpoint of the last completed step (async). Collective: every rank's RNG."""
+        files = self._files()
+        if files is not None:
+            self._write(files, reason, blocking=False)
+
+    def _files(self, gather_rng: bool = True) -> dict[str, Any] | None:
+        """The checkpoint files (None on ranks other than 0 when gathering: rank 0 writes)."""
+        rngs = (
+            gather_rng_states(self.ctx, self.control_group)
+            if gather_rng
+            else {str(self.ctx.rank): rng_state()}
+        )
+        if not self.ctx.is_main and gather_rng:
+            return None
+        return self.state.state_dict(rngs, self.attempt)
+
+    def _write(
+        self, files: dict[str, Any], reason: str, blocking: bool, ignore_failures: bool = False
+    ) -> None:
+        result = self.checkpointer.save(
+            self.state.step,
+            files,
+            self._manifest_fields(),
+            blocking=blocking,
+            reason=reason,
+            ignore_failures=ignore_failures,
+        )
+        self.on_stall(result.blocking_seconds)
+        self.schedule.saved()
+
+    def _manifest_fields(self) -> dict[str, Any]:
+        return {
+            "epoch": self.state.cursor.epoch,
+            "world_size": self.ctx.world_size,
+            "attempt": self.attempt,
+            "run_id": self.run_id,
+            "config_hash": self.cfg.digest(),
+            "versions": versions(),
+        }
+
+    def _save_until_committed(self, files: dict[str, Any], reason: str, retry_for: timedelta) -> bool:
+        """Write `files` (blocking), retrying storage errors with back-off for `retry_for`; whether the
+        step is committed and verified. A fenced writer (another group owns the run) stops at once."""
+        deadline = time.monotonic() + retry_for.total_seconds()
+        pause = 0.5
+        while True:
+            self._write(files, reason, blocking=True, ignore_failures=True)
+            if self.checkpointer.last_committed_step == self.state.step:
+                return True
+            if self.checkpointer.fenced or time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+    def _committed_by_us(self, step: int) -> bool:
+        """A checkpoint of `step` written by this attempt stands in the store and verifies."""
+        path = self.store.path(step_dir_name(step))
+        try:
+            if self.store.read_manifest(path).get("attempt") != self.attempt:
+                return False
+        except (OSError, ValueError):
+            return False
+        return self.store.verify(path).ok
+
+    def save_emergency(self, reason: str) -> None:
+        """A collective failed: commit the last completed step from this replica (any survivor may).
+
+        Storage errors are retried for `checkpoint.emergency_retry_for`: this replica may hold the only copy.
+        """
+        step = self.state.step
+        self.log.error("emergency_checkpoint", step=step, reason=reason)
+        try:
+            self.checkpointer.wait()
+            if step == 0 or self._committed_by_us(step):
+                return
+            # Survivors all hold the same state; stagger them so that usually only one writes it.
+            time.sleep(min(self.ctx.rank, 8) * 0.2)
+            if self._committed_by_us(step):
+                return
+            files = self._files(gather_rng=False)
+            if not self._save_until_committed(files, "emergency", self.cfg.checkpoint.emergency_retry_for):
+                self._report_uncommitted("emergency")
+        except Exception as err:  # noqa: BLE001 - already failing: report, never mask the cause
+            self.log.error("emergency_checkpoint_failed", step=step, error=f"{type(err).__name__}: {err}")
+
+    def save_for_stop(self) -> None:
+        """All ranks stop after this step: rank 0 commits it (collective: every rank's RNG)."""
+        if self.state.step > 0 and self.resumed_step != self.state.step:
+            files = self._files()
+            if files is not None and not self._save_until_committed(
+                files, "sigterm", self.cfg.checkpoint.emergency_retry_for
+            ):
+                self._report_uncommitted("sigterm")
+        self.checkpointer.wait()
+
+    def save_final(self) -> None:
+        """The final checkpoint; raises FinalStateError on every rank unless it is committed and verified."""
+        step = self.state.step
+        committed = torch.ones(1, dtype=torch.int64)
+        files = self._files() if self.resumed_step != step else None  # collective
+        if self.ctx.is_main:
+            if files is not None:
+                ok = self._save_until_committed(files, "final", self.cfg.checkpoint.final_retry_for)
+            else:  # resumed at max_steps: that checkpoint is the final state; it must still stand
+                ok = self.store.verify(self.store.path(step_dir_name(step))).ok
+            committed[0] = int(ok)
+        if self.ctx.distributed:
+            dist.broadcast(committed, src=0, group=self.final_group)
+        if not committed[0]:
+            if self.ctx.is_main:
+                self._report_uncommitted("final")
+            raise FinalStateError(
+                f"training reached step {step} but its final state could not be committed to "
+                f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
+            )
+        self.checkpointer.wait()
+
+    def _report_uncommitted(self, reason: str) -> None:
+        step, error = self.state.step, self.checkpointer.last_error
+        if self.checkpointer.fenced:  # not a loss: a newer group owns the run and holds the newer state
+            self.log.warning("not_saved_stale", step=step, reason=reason, error=error)
+            return
+        self.log.error("checkpoint_lost", step=step, reason=reason, error=error)
+        with contextlib.suppress(OSError):
+            print(
+                f"elastic-qa: step {step} could not be committed ({reason} save; last error: "
+                f"{error or 'none'}): work since the last checkpoint is lost",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
+    """Debug fault injection before each checkpoint file write: a delay, and ENOSPC while a flag exists."""
+    delay = cfg.debug.save_delay.total_seconds()
+    flag = Path(cfg.debug.storage_fault_file) if cfg.debug.storage_fault_file else None
+
+    def before_file(name: str) -> None:
+        if delay:
+            time.sleep(delay)
+        if flag is not None and flag.exists():
+            raise OSError(errno.ENOSPC, f"injected storage fault ({flag} exists)", name)
+
+    return before_file

@@ -1,0 +1,175 @@
+"""The training state: everything a checkpoint holds and a resume restores, in one place, under constant keys.
+
+    model.pt      the unwrapped model's state dict
+    optimizer.pt  the optimizer's
+    trainer.pt    {"format": 2,
+                   "lr_scheduler", "grad_scaler" (None without one),
+                   "data":     the cursor (epoch, samples consumed): the one data position,
+                   "counters": step, tokens_seen,
+                   "rng":      every rank's generators, by rank,
+                   "saved_by": world_size, global_batch_size, attempt (facts about the save, never restored),
+                   "config", "versions"}
+
+`state_dict()` and `load_state_dict()` are the only code that knows this layout. Checkpoints written before
+the layout had a format number (format 1: a "trainer" table that repeated the data position) still load;
+a newer format is refused with exit 2, naming the version.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_qa.checkpoint.manager import LoadedCheckpoint
+from elastic_qa.checkpoint.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    rng_state,
+    set_rng_state,
+    versions,
+)
+from elastic_qa.config import Config
+from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.dist import DistContext, unwrap
+
+STATE_FORMAT = 2
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint exists but does not fit this run (model shape, data, format); the message says what."""
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Per-step randomness (dropout) from (seed, step, rank): identical after any resume."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
+
+
+class TrainState:
+    """Model, optimizer, LR schedule, grad scaler, data cursor, counters and RNG of one rank."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+        cursor: GlobalCursor,
+    ) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.cursor = cursor
+        self.step = 0  # optimizer steps completed
+        self.tokens_seen = 0
+
+    def complete_step(self, batch: dict[str, Any]) -> None:
+        """The step's update is applied: the counters and the data position move together."""
+        self.cursor.advance_to(batch["epoch"], batch["global_count"])
+        self.step = batch["step"]
+        self.tokens_seen += batch["global_tokens"]
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def state_dict(self, rngs: dict[str, Any], attempt: int) -> dict[str, Any]:
+        """The checkpoint files ({file name: state}); `rngs` holds every rank's generators (rank 0 saves)."""
+        trainer = {
+            "format": STATE_FORMAT,
+            "lr_scheduler": self.scheduler.state_dict(),
+            "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+            "data": self.cursor.state_dict(),
+            "counters": {"step": self.step, "tokens_seen": self.tokens_seen},
+            "rng": rngs,
+            "saved_by": {
+                "world_size": self.ctx.world_size,
+                "global_batch_size": self.cfg.train.global_batch_size,
+                "attempt": attempt,
+            },
+            "config": self.cfg.to_dict(),
+            "versions": versions(),
+        }
+        return {
+            MODEL_FILE: unwrap(self.model).state_dict(),
+            OPTIMIZER_FILE: self.optimizer.state_dict(),
+            TRAINER_FILE: trainer,
+        }
+
+    # ---- restoring ----------------------------------------------------------------------------------
+    def load_state_dict(self, loaded: LoadedCheckpoint) -> None:
+        """Restore every piece from a verified checkpoint; ResumeError when it does not fit this run."""
+        trainer = upgrade(loaded.trainer, loaded.path)
+        try:
+            unwrap(self.model).load_state_dict(loaded.model)
+            self.optimizer.load_state_dict(loaded.optimizer)
+            self.cursor.load_state_dict(trainer["data"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            # load_state_dict lists every mismatch; the first two say enough on one line.
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)
+            raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {detail}") from None
+        self.scheduler.load_state_dict(trainer["lr_scheduler"])
+        if self.scaler is not None and trainer["grad_scaler"]:
+            self.scaler.load_state_dict(trainer["grad_scaler"])
+        # An explicit lr (the config may have changed it) wins over the saved base lr.
+        self.scheduler.base_lrs = [self.cfg.train.peak_lr for _ in self.scheduler.base_lrs]
+        self.step = int(trainer["counters"]["step"])
+        self.tokens_seen = int(trainer["counters"]["tokens_seen"])
+        mine = trainer["rng"].get(str(self.ctx.rank))
+        if mine is not None:  # a rank the saved world did not have keeps its fresh generators
+            set_rng_state(mine)
+
+
+def upgrade(trainer: dict[str, Any], where: str = "checkpoint") -> dict[str, Any]:
+    """trainer.pt in the current layout, whatever format wrote it; ResumeError for a newer format."""
+    version = trainer.get("format", 1)
+    if version == STATE_FORMAT:
+        return trainer
+    if version != 1:
+        raise ResumeError(
+            f"{where}: trainer state format {version} is newer than this version reads ({STATE_FORMAT})"
+        )
+    counters = trainer["trainer"]
+    return {
+        "format": STATE_FORMAT,
+        "lr_scheduler": trainer["scheduler"],
+        "grad_scaler": trainer.get("scaler"),
+        "data": trainer["data"],
+        "counters": {"step": counters["step"], "tokens_seen": counters["tokens_seen"]},
+        "rng": trainer.get("rng", {}),
+        "saved_by": {
+            "world_size": counters.get("world_size"),
+            "global_batch_size": counters.get("global_batch_size"),
+            "attempt": counters.get("attempt"),
+        },
+        "config": trainer.get("config", {}),
+        "versions": trainer.get("versions", {}),
+    }
+
+
+def gather_rng_states(ctx: DistContext, group: Any) -> dict[str, Any]:
+    """Every rank's RNG state on rank 0, moved as bytes in uint8 tensors and read with weights_only.
+
+    Collective: every rank calls it at the same step (a checkpoint step).
+    """
+    mine = rng_state()
+    if not ctx.distributed:
+        return {"0": mine}
+    buffer = io.BytesIO()
+    torch.save(mine, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    widest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(widest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, padded, group=group)
+    if not ctx.is_main:
+        return {}
+    return {
+        str(rank): torch.load(io.BytesIO(part[: int(size.item())].numpy().tobytes()), weights_only=True)
+        for rank, (part, size) in enumerate(zip(parts, sizes, strict=True))
+    }
