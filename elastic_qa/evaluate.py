@@ -2,7 +2,7 @@
 
 Each rank predicts a disjoint, contiguous, non-shuffled share of the evaluation windows; the per-window
 best spans are gathered to rank 0, which picks each question's best answer over its windows and scores it
-once (the seed article's pitfall: evaluating everything everywhere double counts).
+once (every rank evaluating everything would count each question world-size times).
 """
 
 from __future__ import annotations

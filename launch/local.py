@@ -41,7 +41,7 @@ from elastic_qa.train import resolve_config
 # - last_call_timeout=2: after min nodes are in, wait 2 s for more (torch's default 30 s is added to every
 #   regroup); long enough for agents restarted together to arrive in the same round.
 # - keep_alive 2 s x 3: a lost node is declared dead after ~6 s (default 5 s x 3 = 15 s). Shorter (1 s x 2)
-#   regrouped faster but let a busy agent miss heartbeats and split the job in two (TORCHRUN.md).
+#   regrouped faster but let a busy agent miss heartbeats and split the job in two (on a loaded host).
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=600"
 MONITOR_INTERVAL = 0.5
 MAX_RESTARTS = 100

@@ -1,4 +1,4 @@
-"""The baseline of the throughput benchmark: the seed article's plain DDP loop and nothing else.
+"""The baseline of the throughput benchmark: a plain DDP loop and nothing else.
 
     torchrun --standalone --nproc_per_node=2 -m elastic_qa.bench.plain_ddp --config default \\
         --out stamps.json train.max_steps=300

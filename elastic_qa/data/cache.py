@@ -1,6 +1,6 @@
 """Offline pre-tokenisation: a memory-mapped feature cache keyed by a hash of input and settings.
 
-Tokenising once instead of every run was the seed article's 40% speed-up. The cache is a directory of
+Tokenising once instead of at every (re)start keeps restarts cheap. The cache is a directory of
 `.npy` columns that every rank maps read-only (the page cache shares them between processes). Several
 processes may ask for the same cache at once: one builds it under an exclusive file lock while the others
 wait on the lock, and the finished directory appears in one rename, so a reader never sees half a cache.

@@ -1,4 +1,4 @@
-"""Where a step's time goes, per rank, and a one-line diagnosis in the seed article's terms.
+"""Where a step's time goes, per rank, and a one-line diagnosis (data-bound, communication-bound, straggler).
 
 Every `log.breakdown_every` steps each rank logs `step_breakdown`: data wait, forward+backward,
 communication (gradient all-reduce, from the timing DDP comm hook), optimizer, logging and saving (of

@@ -1,7 +1,7 @@
 """Optional TensorBoard scalars (`log.tensorboard=true`, extra `elastic-qa[tensorboard]`).
 
 Each rank writes to `<run.dir>/tensorboard/rank-<r>` under the same tags, so TensorBoard draws all ranks on
-one chart per tag: the seed article's way to spot a straggler or a rank with an odd loss.
+one chart per tag: a straggler or a rank with an odd loss stands out.
 """
 
 from __future__ import annotations
