@@ -2,14 +2,16 @@
 
     python -m chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
                         (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
-                        [--mean-interval 10s] [-- key=value ...]
+                        [--min-gap 2s] [-- key=value ...]
     python -m chaos verify DIR [--reference REF_DIR]
-    python -m chaos schedule --seed S --faults N [--agents ...]    # print a random schedule
+    python -m chaos schedule --seed S --faults N [--config tiny] [key=value ...]   # print it, fitted
 
 Fault kinds: kill-worker, kill-node, term-node, join-node, freeze-worker, kill-during-save,
-corrupt-checkpoint, storage-errors. The verdict prints a table (one row per fault: kind, step, lost steps,
-recovery seconds, verdict) and writes <DIR>/chaos/report.json and report.html. Exit 0 only when every
-check holds; 2 on bad arguments.
+corrupt-checkpoint, storage-errors, final-storage-errors, corrupt-replay, log-full, hup, second-job.
+A random schedule triggers its faults by step, one per slice of train.max_steps, and slows the job down
+(debug.step_delay) when a slice would pass in less than --min-gap. The verdict prints a table (one row per
+fault: kind, step, lost steps, recovery seconds, verdict) and writes <DIR>/chaos/report.json and
+report.html. Exit 0 only when every check holds; 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -18,33 +20,35 @@ import argparse
 import sys
 from pathlib import Path
 
-from chaos.schedule import KINDS, parse_fault, random_schedule, validate
-from elastic_qa.config import ConfigError, parse_duration
+from chaos.schedule import KINDS, Fault, fit_job, parse_fault, random_schedule, validate
+from elastic_qa.config import Config, ConfigError, parse_duration
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
 
-def _schedule(args: argparse.Namespace):
+def _schedule(args: argparse.Namespace, cfg: Config) -> tuple[list[Fault], dict[str, str]]:
+    """The faults, and the overrides that fit the job to a random schedule (none for explicit ones)."""
+    if args.fault and args.faults:
+        raise ValueError("give either --fault ... or --faults N, not both")
+    if args.gone_mean_interval or args.gone_first_at:
+        raise ValueError(
+            "--mean-interval/--first-at are gone: random faults fire by step, one per slice of "
+            "train.max_steps (see --min-gap)"
+        )
     if args.fault:
         faults = [parse_fault(text) for text in args.fault]
-        validate(faults, args.agents, args.min, args.max)
-        return faults
+        validate(faults, args.agents, args.min, args.max, cfg.train.max_steps)
+        return faults, {}
     if args.faults:
         kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"--kinds: unknown fault kinds {sorted(unknown)}")
-        return random_schedule(
-            args.seed,
-            args.faults,
-            parse_duration(args.mean_interval).total_seconds(),
-            args.agents,
-            args.min,
-            args.max,
-            kinds,
-            first_at_s=parse_duration(args.first_at).total_seconds(),
+        faults = random_schedule(
+            args.seed, args.faults, cfg.train.max_steps, args.agents, args.min, args.max, kinds
         )
-    return []
+        return faults, fit_job(cfg, faults, parse_duration(args.min_gap).total_seconds())
+    return [], {}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -54,18 +58,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     overrides = [*args.overrides, f"run.dir={run_dir}"]
-    resolve_config(args.config, overrides)  # bad config: exit 2 before anything starts
+    cfg = resolve_config(args.config, overrides)  # bad config: exit 2 before anything starts
     if (run_dir / "launch.json").exists():
         print(f"chaos: {run_dir} already holds a job; use a new --run-dir", file=sys.stderr)
         return EXIT_BAD_INPUT
-    schedule = _schedule(args)
+    schedule, fitted = _schedule(args, cfg)
     print("schedule: " + " ".join(f.describe() for f in schedule), flush=True)
+    if fitted:
+        print("fitted to the schedule: " + " ".join(f"{k}={v}" for k, v in fitted.items()), flush=True)
     reference = None
     if not args.no_reference:
         cache_root = Path(args.reference_cache).expanduser()
         reference = reference_run(args.config, args.overrides, args.agents, cache_root, args.timeout)
     code = run_schedule(
-        run_dir, args.config, overrides, schedule, args.agents, args.min, args.max, args.seed, args.timeout
+        run_dir,
+        args.config,
+        overrides,
+        schedule,
+        args.agents,
+        args.min,
+        args.max,
+        args.seed,
+        args.timeout,
+        fitted,
     )
     print(f"job ended with exit code {code}", flush=True)
     verdict = verify_run(run_dir, reference)
@@ -87,8 +102,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    for fault in _schedule(args):
+    from elastic_qa.train import resolve_config
+
+    faults, fitted = _schedule(args, resolve_config(args.config, args.overrides))
+    for fault in faults:
         print(fault.describe())
+    if fitted:
+        print("fitted to the schedule: " + " ".join(f"{k}={v}" for k, v in fitted.items()))
     return 0
 
 
@@ -99,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "schedule"):
         p = sub.add_parser(name, help="run a job with faults" if name == "run" else "print a schedule")
+        p.add_argument("--config", default="tiny", help="config file or packaged name (default tiny)")
         if name == "run":
             p.add_argument("--run-dir", required=True, help="a new directory for the job")
-            p.add_argument("--config", default="tiny", help="config file or packaged name (default tiny)")
             p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is killed")
             p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
             p.add_argument(
@@ -109,16 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
                 default="~/.cache/elastic_qa/chaos-reference",
                 help="where reference runs are kept, keyed by config",
             )
-            p.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
+        p.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
         p.add_argument("--agents", type=int, default=2, help="agents at the start (default 2)")
         p.add_argument("--min", type=int, default=1, help="fewest agents (default 1)")
         p.add_argument("--max", type=int, default=4, help="most agents (default 4)")
         p.add_argument("--fault", action="append", default=[], help=f"KIND@step=N or KIND@time=20s; {KINDS}")
         p.add_argument("--seed", type=int, default=0, help="seed of the random schedule and target choices")
         p.add_argument("--faults", type=int, default=0, help="random schedule: number of faults")
-        p.add_argument("--mean-interval", default="10s", help="random schedule: mean time between faults")
-        p.add_argument("--first-at", default="5s", help="random schedule: time of the first fault")
+        p.add_argument(
+            "--min-gap",
+            default="2s",
+            help="random schedule: least training time per fault; a faster job gets a debug.step_delay",
+        )
         p.add_argument("--kinds", default="", help="random schedule: comma-separated kinds (default all)")
+        for gone in ("--mean-interval", "--first-at"):  # wall-time triggers: faults now fire by step
+            p.add_argument(gone, dest="gone_" + gone[2:].replace("-", "_"), help=argparse.SUPPRESS)
     p = sub.add_parser("verify", help="verify a finished run from its evidence")
     p.add_argument("run_dir")
     p.add_argument("--reference", help="run dir of the fault-free reference run")

@@ -2,11 +2,20 @@
 
 Every check here works from evidence on disk, never from the runner's memory of what it did, so the same
 functions judge a run made by `python -m chaos run`, by the test suite, or by hand on a cluster.
+
+Log lines are evidence that may be missing: while the disk is full (`log-full`) a worker's log writes
+fail and are dropped, and a write cut short leaves a torn line that the next one continues. The reader
+keeps every line it can parse (the complete tail of a torn one too); exactly-once is judged from the
+sample ledger and what was saved from the checkpoints themselves (their manifests), never from log lines
+alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,15 +24,32 @@ from typing import Any
 import torch
 import yaml
 
+from chaos.job import parse_log_line
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import effective_order, read_ledger
 
-load_events = read_events  # every log line of a run, in time order
+REJECTED_NOTE = "REJECTED.json"  # written next to a quarantined checkpoint: why it was set aside
+_REJECTED = re.compile(r"^(step-(\d{8}))\.")
+# attempt-00000007.json, or a claim attempt-00000007.<token>.json (two registrants never share a number)
+_ATTEMPT_FILE = re.compile(r"attempt-(\d{8,})(?:\.[0-9a-f]+)?\.json$")
+
+
+def load_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every JSON log line of a run that can be read, in time order: torn lines give their complete tail,
+    a last line cut short by a killed writer is dropped, and so are lines that are not JSON objects."""
+    rows = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
+        data = path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        for line in complete.splitlines():
+            row = parse_log_line(line)
+            if row is not None and "event" in row:
+                rows.append(row)
+    return sorted(rows, key=lambda row: row.get("ts", 0.0))
 
 
 def load_config(run_dir: Path) -> Config:
@@ -84,21 +110,108 @@ def checkpoint_store(cfg: Config) -> CheckpointStore:
     return CheckpointStore(cfg.checkpoint_dir)
 
 
-def check_checkpoints(cfg: Config, exclude: set[int] = frozenset()) -> list[str]:
-    """Every committed checkpoint verifies and loads (but `exclude`: corrupted on purpose); no more are
-    retained than the policy allows."""
+@dataclass
+class Copy:
+    """One checkpoint directory on disk: in place (`step-N`) or quarantined (`rejected/step-N.*`)."""
+
+    step: int
+    path: str
+    quarantined: bool
+    manifest: dict[str, Any] | None
+    ok: bool  # verifies and loads
+    reason: str = ""
+    note: dict[str, Any] | None = None  # a quarantined copy's REJECTED.json: why it was set aside
+
+    @property
+    def attempt(self) -> int | None:
+        return (self.manifest or {}).get("attempt")
+
+    @property
+    def created_ts(self) -> float | None:
+        return (self.manifest or {}).get("created_ts")
+
+
+def checkpoint_copies(cfg: Config) -> list[Copy]:
+    """Every committed checkpoint in place and every quarantined one, each verified and loaded."""
     store = checkpoint_store(cfg)
     checkpointer = Checkpointer(CheckpointConfig(), store)
-    problems = []
-    infos = store.list_steps(committed_only=False)
-    for info in infos:
-        if info.step in exclude:
+    found = [(info.step, info.path, False) for info in store.list_steps(committed_only=False)]
+    try:
+        rejected = store.fs.ls(store.path("rejected"), detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        rejected = []
+    for entry in rejected:
+        match = _REJECTED.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            found.append((int(match.group(2)), entry.rstrip("/"), True))
+    copies = []
+    for step, path, quarantined in sorted(found):
+        manifest = None
+        with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+            manifest = store.read_manifest(path)
+        try:
+            checkpointer.load_step(path, step)
+            ok, reason = True, ""
+        except Exception as err:  # noqa: BLE001 - any failure to load is a failed check
+            ok, reason = False, str(err)
+        note = None
+        if quarantined:
+            with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+                note = json.loads(store.fs.cat_file(f"{path}/{REJECTED_NOTE}"))
+        copies.append(Copy(step, path, quarantined, manifest, ok, reason, note))
+    return copies
+
+
+def superseded(copy: Copy, copies: list[Copy]) -> bool:
+    """A quarantined copy that a newer attempt's commit of the same step replaced (a replay across it)."""
+    newer = any(o.step == copy.step and (o.attempt or 0) > (copy.attempt or 0) for o in copies)
+    return newer or "superseded" in str((copy.note or {}).get("reason", ""))
+
+
+def registrations(cfg: Config) -> dict[int, float]:
+    """Attempt number -> when it was registered (`<checkpoint.dir>/attempts/`), for the fencing checks."""
+    store = checkpoint_store(cfg)
+    try:
+        names = store.fs.ls(store.path("attempts"), detail=False)
+    except FileNotFoundError:
+        return {}
+    found: dict[int, float] = {}
+    for name in names:
+        match = _ATTEMPT_FILE.search(name)
+        if not match:
             continue
         try:
-            checkpointer.load_step(info.path, info.step)
-        except Exception as err:  # noqa: BLE001 - any failure to load is a failed check
-            problems.append(f"checkpoint step {info.step}: {err}")
-    steps = [info.step for info in infos]
+            ts = float(json.loads(store.fs.cat_file(name))["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            ts = float(store.fs.info(name).get("mtime") or 0.0)
+        number = int(match.group(1))
+        found[number] = min(ts, found.get(number, ts))
+    return found
+
+
+def is_corrupted_copy(copy: Copy, corruptions: list[tuple[int, float]]) -> bool:
+    """The copy a fault corrupted on purpose: its step was corrupted after this copy was written."""
+    return any(
+        step == copy.step and (copy.created_ts is None or copy.created_ts <= ts) for step, ts in corruptions
+    )
+
+
+def check_checkpoints(
+    cfg: Config, exclude: set[int] = frozenset(), corruptions: list[tuple[int, float]] = ()
+) -> list[str]:
+    """Every committed checkpoint in place verifies and loads (but `exclude`, and copies that were
+    corrupted on purpose: (step, when) in `corruptions`, while a later commit of the step must verify);
+    a quarantined one (`rejected/`) that verifies must have been superseded by a newer attempt's commit of
+    its step (else a valid checkpoint was set aside); no more are retained than the policy allows."""
+    problems = []
+    copies = checkpoint_copies(cfg)
+    for copy in copies:
+        if copy.quarantined:
+            if copy.ok and not superseded(copy, copies):
+                problems.append(f"quarantined {copy.path} verifies: a valid checkpoint was set aside")
+        elif not copy.ok and copy.step not in exclude and not is_corrupted_copy(copy, list(corruptions)):
+            problems.append(f"checkpoint step {copy.step}: {copy.reason}")
+    steps = [copy.step for copy in copies if not copy.quarantined]
     allowed = retained_steps(steps, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps)
     extra = sorted(set(steps) - allowed)
     if extra:

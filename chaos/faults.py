@@ -1,4 +1,9 @@
-"""Fault injectors: each acts on the real processes and files of a running job and says what it hit."""
+"""Fault injectors: each acts on the real processes and files of a running job and says what it hit.
+
+An injector returns its record at once; what a fault does later (end a storage-error window, thaw a
+worker, stop a second job) runs on a timer or a watcher thread and is logged as an action line of its
+own, so that the evidence says when each window really ended.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,16 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from chaos.job import Job, is_alive
+from chaos.job import REPO, Job, is_alive, parse_log_line
 from chaos.schedule import Fault
+
+STATE_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 
 
 class NoTarget(RuntimeError):
@@ -27,29 +36,115 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def rank_zero_worker(job: Job) -> int:
-    """pid of the rank-0 worker of the newest attempt (the checkpoint writer)."""
+    """pid of the rank-0 worker of the job's newest attempt (the checkpoint writer)."""
     newest: tuple[int, int] | None = None
     for path in (job.run_dir / "logs").glob("rank-000.pid-*.jsonl"):
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             if '"event": "worker_start"' in line:
-                row = json.loads(line)
-                if newest is None or row["attempt"] > newest[0]:
-                    newest = (row["attempt"], row["pid"])
-    if newest is None or not is_alive(newest[1]):
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if row["pid"] in job.ignored_pids:  # a second job is not this job's writer
+                        continue
+                    if newest is None or row["attempt"] > newest[0]:
+                        newest = (row["attempt"], row["pid"])
+    if newest is None or not is_alive(newest[1]) or newest[1] not in all_workers(job):
         raise NoTarget("no live rank-0 worker")
     return newest[1]
 
 
+def registered_attempt(run_dir: Path, pid: int) -> int | None:
+    """The attempt number a process registered (from its worker_start line), if it has yet."""
+    for path in (run_dir / "logs").glob(f"rank-*.pid-{pid}.jsonl"):
+        for line in path.read_bytes().splitlines():
+            if b'"worker_start"' in line and (row := parse_log_line(line)) and "attempt" in row:
+                return int(row["attempt"])
+    return None
+
+
+def all_workers(job: Job) -> list[int]:
+    return [pid for agent in job.live_agents() for pid in job.workers(agent)]
+
+
+class FlagFile:
+    """A fault flag file that exists while any of its windows is open: storage-errors and
+    final-storage-errors share the storage flag, and one closing must not end the other's window."""
+
+    def __init__(self, path: Path, log: Callable[[dict], None]) -> None:
+        self.path = path
+        self.log = log
+        self._open: set[int] = set()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def open(self, fault: str) -> int:
+        with self._lock:
+            self._next += 1
+            self._open.add(self._next)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
+            self.log({"action": "flag_created", "fault": fault, "flag": str(self.path), "window": self._next})
+            return self._next
+
+    def close(self, window: int, fault: str, why: str) -> None:
+        with self._lock:
+            if window not in self._open:
+                return
+            self._open.discard(window)
+            if not self._open:
+                self.path.unlink(missing_ok=True)
+            self.log(
+                {
+                    "action": "flag_removed" if not self._open else "window_closed",
+                    "fault": fault,
+                    "flag": str(self.path),
+                    "window": window,
+                    "why": why,
+                }
+            )
+
+    def close_all(self, why: str) -> None:
+        for window in sorted(self._open):
+            self.close(window, "(cleanup)", why)
+        self.path.unlink(missing_ok=True)
+
+
 class Injector:
-    def __init__(self, job: Job, rng: random.Random, checkpoint_dir: Path, fault_flag: Path) -> None:
+    """Acts on one job. `log` writes an action line; `storage` and `logs` are the two fault flags."""
+
+    def __init__(
+        self,
+        job: Job,
+        rng: random.Random,
+        checkpoint_dir: Path,
+        storage: FlagFile,
+        logs: FlagFile,
+        log: Callable[[dict], None],
+        max_steps: int,
+    ) -> None:
         self.job = job
         self.rng = rng
         self.checkpoint_dir = checkpoint_dir
-        self.fault_flag = fault_flag
+        self.storage, self.logs = storage, logs
+        self.log = log
+        self.max_steps = max_steps
+        self.second_jobs: list[subprocess.Popen] = []
+        self._stopping = threading.Event()
+        self._watchers: list[threading.Thread] = []
 
-    def inject(self, fault: Fault) -> dict:
+    def inject(self, fault: Fault) -> tuple[dict, threading.Event | None]:
+        """Inject now: (the record, an event that is set once the fault's own window is over, if the next
+        fault should wait for it). Raises NoTarget when there is nothing to hit right now."""
         handler = getattr(self, "_" + fault.kind.replace("-", "_"))
-        return handler(fault)
+        result = handler(fault)
+        return result if isinstance(result, tuple) else (result, None)
+
+    def close(self) -> None:
+        """End every window and stop every second job (the run is over)."""
+        self._stopping.set()
+        self.storage.close_all("the run is over")
+        self.logs.close_all("the run is over")
+        for watcher in self._watchers:  # each stops its second job and logs how it ended
+            watcher.join(timeout=30)
 
     # ---- processes ----------------------------------------------------------------------------------
     def _any_worker(self) -> tuple[dict, int]:
@@ -68,6 +163,11 @@ class Injector:
         agent, pid = self._any_worker()
         _kill(pid, signal.SIGKILL)
         return {"target": f"worker pid {pid} of agent {agent['index']}"}
+
+    def _hup(self, fault: Fault) -> dict:
+        agent, pid = self._any_worker()
+        _kill(pid, signal.SIGHUP)
+        return {"target": f"worker pid {pid} of agent {agent['index']}", "signal": "SIGHUP"}
 
     def _kill_node(self, fault: Fault) -> dict:
         agent = self._non_host_agent()
@@ -93,17 +193,21 @@ class Injector:
         _kill(pid, signal.SIGSTOP)
         if fault.duration is not None:
             # SIGCONT later, from a timer: the runner goes on watching the job meanwhile.
-            timer = threading.Timer(fault.duration, lambda: _continue(pid))
-            timer.daemon = True
-            timer.start()
+            self._later(fault.duration, lambda: self._thaw(pid))
         return {"target": f"worker pid {pid} of agent {agent['index']}", "thaw_after_s": fault.duration}
 
+    def _thaw(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            self.log({"action": "thawed", "pid": pid})
+
     def _kill_during_save(self, fault: Fault) -> dict:
-        """SIGKILL the rank-0 worker while a checkpoint is being written (a `.tmp-step-*` dir exists)."""
+        """SIGKILL the rank-0 worker while a checkpoint is being written (a `.tmp-...step-...` staging
+        directory exists; `.tmp-step-N-deleted-*` is a checkpoint being pruned, not written)."""
         pid = rank_zero_worker(self.job)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            writing = [p.name for p in self.checkpoint_dir.glob(".tmp-step-*") if "-deleted-" not in p.name]
+            writing = [p.name for p in self.checkpoint_dir.glob(".tmp-*step-*") if "-deleted-" not in p.name]
             if writing:
                 _kill(pid, signal.SIGKILL)
                 return {"target": f"rank-0 worker pid {pid} while writing {writing[0]}"}
@@ -113,12 +217,13 @@ class Injector:
         raise NoTarget("no checkpoint save started within 60 s")
 
     # ---- files --------------------------------------------------------------------------------------
-    def _corrupt_checkpoint(self, fault: Fault) -> dict:
-        steps = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "manifest.json").exists())
-        if not steps:
-            raise NoTarget("no committed checkpoint")
-        newest = steps[-1]
-        victim = newest / self.rng.choice(["model.pt", "optimizer.pt", "trainer.pt"])
+    def _committed(self) -> list[Path]:
+        return sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "manifest.json").exists())
+
+    def _corrupt(self, newest: Path) -> dict:
+        """Truncate or flip one byte of one state file of `newest`; say which copy it was (its manifest)."""
+        manifest = json.loads((newest / "manifest.json").read_text())
+        victim = newest / self.rng.choice(STATE_FILES)
         size = victim.stat().st_size
         if self.rng.random() < 0.5:
             os.truncate(victim, size // 2)
@@ -131,19 +236,143 @@ class Injector:
                 handle.seek(offset)
                 handle.write(bytes([byte[0] ^ 0xFF]))
             how = f"flipped byte {offset}"
-        step = int(newest.name.split("-")[-1])
-        return {"target": str(victim), "checkpoint_step": step, "how": how}
+        return {
+            "target": str(victim),
+            "checkpoint_step": int(newest.name.split("-")[-1]),
+            "how": how,
+            "copy_attempt": manifest.get("attempt"),
+            "copy_created_ts": manifest.get("created_ts"),
+        }
+
+    def _corrupt_checkpoint(self, fault: Fault) -> dict:
+        steps = self._committed()
+        if not steps:
+            raise NoTarget("no committed checkpoint")
+        return self._corrupt(steps[-1])
+
+    def _corrupt_replay(self, fault: Fault) -> dict:
+        """SIGKILL every worker at once (no survivor can save a newer step), then corrupt the newest
+        committed checkpoint: the next group must reject it, quarantine it, resume from an older one and
+        replay across its step. Needs two committed checkpoints, so that an older valid one exists."""
+        steps = self._committed()
+        if len(steps) < 2:
+            raise NoTarget(f"{len(steps)} committed checkpoints; need 2 (one to corrupt, one to resume)")
+        workers = all_workers(self.job)
+        if not workers:
+            raise NoTarget("no live worker")
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(is_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a dead writer can no longer publish: only then pick the newest
+        record = self._corrupt(self._committed()[-1])
+        return {**record, "killed_workers": workers}
 
     def _storage_errors(self, fault: Fault) -> dict:
-        self.fault_flag.parent.mkdir(parents=True, exist_ok=True)
-        self.fault_flag.touch()
         seconds = fault.duration or 5.0
-        timer = threading.Timer(seconds, lambda: self.fault_flag.unlink(missing_ok=True))
-        timer.daemon = True
-        timer.start()
+        window = self.storage.open(fault.kind)
+        self._later(seconds, lambda: self.storage.close(window, fault.kind, f"after {seconds:g}s"))
         return {"target": f"checkpoint writes fail for {seconds:g}s", "fail_for_s": seconds}
 
+    def _log_full(self, fault: Fault) -> tuple[dict, threading.Event]:
+        seconds = fault.duration or 3.0
+        window = self.logs.open(fault.kind)
+        over = threading.Event()
 
-def _continue(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)
+        def end() -> None:
+            self.logs.close(window, fault.kind, f"after {seconds:g}s")
+            over.set()
+
+        self._later(seconds, end)
+        return {"target": f"log writes fail for {seconds:g}s", "log_full_for_s": seconds}, over
+
+    def _final_storage_errors(self, fault: Fault) -> dict:
+        """Storage errors from now until `for=` seconds after the job completed max_steps: across the
+        final save, which must retry until it commits (or the job must fail, never claim done)."""
+        seconds = fault.duration or 3.0
+        window = self.storage.open(fault.kind)
+
+        def watch() -> None:
+            while self.job.progress() < self.max_steps:
+                if self._stopping.is_set() or (self.job.process and self.job.process.poll() is not None):
+                    self.storage.close(window, fault.kind, "the job ended before max_steps")
+                    return
+                time.sleep(0.05)
+            self.log({"action": "max_steps_reached", "fault": fault.kind, "step": self.max_steps})
+            if not self._stopping.wait(seconds):
+                self.storage.close(window, fault.kind, f"{seconds:g}s after step {self.max_steps}")
+
+        watcher = threading.Thread(target=watch, name="final-storage-errors", daemon=True)
+        watcher.start()
+        self._watchers.append(watcher)
+        return {
+            "target": f"checkpoint writes fail until {seconds:g}s after step {self.max_steps}",
+            "fail_after_max_steps_s": seconds,
+        }
+
+    # ---- a second job -------------------------------------------------------------------------------
+    def _second_job(self, fault: Fault) -> tuple[dict, threading.Event]:
+        """A single-process job on the same config and run directory: fencing must let only the newest
+        registered attempt commit. It is stopped (SIGKILL) after `for=` seconds if still running.
+
+        Returns once the second job has registered its attempt (a few seconds: it imports torch and
+        loads the data first). If the main job reached max_steps first, there was nothing to race: the
+        second job is stopped and the fault is recorded as skipped.
+        """
+        lifetime = fault.duration or 60.0
+        index = len(self.second_jobs) + 1
+        out_path = self.job.run_dir / "chaos" / f"second-job-{index}.log"
+        with open(out_path, "ab") as out:
+            process = subprocess.Popen(
+                [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *self.job.overrides],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))},
+            )
+        self.job.ignored_pids.add(process.pid)
+        self.second_jobs.append(process)
+        ended, stop = threading.Event(), threading.Event()
+        reason: list[str] = []
+
+        def watch() -> None:
+            deadline, why = time.monotonic() + lifetime, "exited"
+            while process.poll() is None:
+                if self._stopping.is_set() or stop.is_set() or time.monotonic() > deadline:
+                    why = reason[0] if reason else f"still running after {lifetime:g}s"
+                    why = "the run is over" if self._stopping.is_set() else why
+                    process.kill()
+                    break
+                time.sleep(0.1)
+            code = process.wait()
+            self.log({"action": "second_job_exit", "pid": process.pid, "exit_code": code, "why": why})
+            ended.set()
+
+        watcher = threading.Thread(target=watch, name=f"second-job-{index}", daemon=True)
+        watcher.start()
+        self._watchers.append(watcher)
+        record = {
+            "target": f"second job pid {process.pid} (python -m elastic_qa.train, output {out_path.name})",
+            "pid": process.pid,
+            "lifetime_s": lifetime,
+        }
+        while (attempt := registered_attempt(self.job.run_dir, process.pid)) is None:
+            if ended.is_set():
+                return {
+                    **record,
+                    "skipped": f"the second job exited {process.returncode} before registering",
+                }, ended
+            if self.job.progress() >= self.max_steps or self.job.process.poll() is not None:
+                reason.append("the main job reached max_steps before the second job registered")
+                stop.set()
+                ended.wait(30)
+                return {**record, "skipped": f"nothing to race: {reason[0]}"}, ended
+            time.sleep(0.05)
+        return {**record, "attempt": attempt}, ended
+
+    # ---- timers -------------------------------------------------------------------------------------
+    def _later(self, seconds: float, action: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, action)
+        timer.daemon = True
+        timer.start()

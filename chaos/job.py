@@ -9,14 +9,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "local.py"
+_LOG_PID = re.compile(r"\.pid-(\d+)\.jsonl$")
+
+
+def parse_log_line(line: bytes | str) -> dict | None:
+    """One JSON log line, or None. A write cut short (a full disk, a killed writer) leaves a torn line that
+    the next write continues: the complete line is then the tail that starts at one of its `{"`."""
+    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    start = 0
+    while start >= 0:
+        try:
+            row = json.loads(text[start:])
+        except ValueError:
+            start = text.find('{"', start + 1)
+            continue
+        return row if isinstance(row, dict) else None
+    return None
 
 
 def children(pid: int) -> list[int]:
@@ -61,6 +79,8 @@ class Job:
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.python = python
         self.process: subprocess.Popen | None = None
+        self.ignored_pids: set[int] = set()  # processes writing to the same logs that are not this job's
+        self._lock = threading.Lock()  # progress() is called from the runner and its follow-up threads
         self._log_offsets: dict[Path, int] = {}
         self._progress = 0
         self.attempt = 0  # newest attempt that logged worker_start
@@ -145,24 +165,36 @@ class Job:
 
     # ---- progress -----------------------------------------------------------------------------------
     def progress(self) -> int:
-        """Highest step any rank has logged as completed (reads only what was appended since last call)."""
-        for path in (self.run_dir / "logs").glob("*.jsonl"):
-            offset = self._log_offsets.get(path, 0)
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                chunk = handle.read()
-            cut = chunk.rfind(b"\n") + 1
-            self._log_offsets[path] = offset + cut
-            for line in chunk[:cut].splitlines():
-                if b'"event": "step"' in line or b'"event": "resume"' in line:
-                    row = json.loads(line)
-                    self._progress = max(self._progress, int(row["step"]))
-                    if row["event"] == "step":
-                        attempt = row.get("attempt", 0)
-                        self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
-                elif b'"event": "worker_start"' in line:
-                    self.attempt = max(self.attempt, json.loads(line).get("attempt", 0))
-        return self._progress
+        """Highest step any rank has logged as completed (reads only what was appended since last call).
+
+        Logs of `ignored_pids` (a second job sharing the run directory) are skipped; unreadable lines too
+        (log writes may fail while the disk is full).
+        """
+        with self._lock:
+            for path in (self.run_dir / "logs").glob("*.jsonl"):
+                match = _LOG_PID.search(path.name)
+                if match and int(match.group(1)) in self.ignored_pids:
+                    continue
+                offset = self._log_offsets.get(path, 0)
+                with open(path, "rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+                cut = chunk.rfind(b"\n") + 1
+                self._log_offsets[path] = offset + cut
+                for line in chunk[:cut].splitlines():
+                    if b'"event": "step"' in line or b'"event": "resume"' in line:
+                        row = parse_log_line(line)
+                        if row is None or "step" not in row:
+                            continue
+                        self._progress = max(self._progress, int(row["step"]))
+                        if row.get("event") == "step":
+                            attempt = row.get("attempt", 0)
+                            self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
+                    elif b'"event": "worker_start"' in line:
+                        row = parse_log_line(line)
+                        if row is not None:
+                            self.attempt = max(self.attempt, row.get("attempt", 0))
+            return self._progress
 
     def wait_for_new_attempt(self, after: int, timeout: float = 180) -> bool:
         """Wait until an attempt newer than `after` has completed a step; False if the job ended first."""
@@ -190,10 +222,10 @@ class Job:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for path in (self.run_dir / "logs").glob("*.jsonl"):
-                for line in path.read_text().splitlines():
+                for line in path.read_text(errors="replace").splitlines():
                     if f'"event": "{event}"' in line:
-                        row = json.loads(line)
-                        if predicate(row):
+                        row = parse_log_line(line)
+                        if row is not None and predicate(row):
                             return row
             time.sleep(0.1)
         raise TimeoutError(f"no {event} event within {timeout} s")

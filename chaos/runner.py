@@ -1,9 +1,18 @@
-"""The fault runner: start a job through the project's launcher, inject a schedule of faults, verify.
+"""The fault runner: start a job through the project's own launcher, inject a schedule of faults, verify.
 
-Each fault is injected once its trigger (a step or a time since the start) has passed *and* the job has
+Each fault is injected once its trigger (a step, or a time since the start) has passed *and* the job has
 completed at least one step since the previous fault, so faults hit a training group rather than piling
-onto a regroup in progress, and every recovery can be attributed to the fault that caused it. Each action
-is one JSON line in `<run-dir>/chaos/faults.jsonl` (fault, target, wall time, step at injection).
+onto a regroup in progress, and every recovery can be attributed to the fault that caused it. A fault
+whose target is momentarily absent (no worker during a regroup, no checkpoint yet) is retried every 0.2 s
+until it lands or the job ends. After a fault that restarts the group the runner waits for the new group
+to train (after `second-job`: a group newer than the second job's attempt, that is the main job fenced,
+restarted and registered again); after `log-full` for the end of its window (log lines written meanwhile
+are lost, and the verifier must not need them to attribute a restart). A second job is not waited for:
+it runs on until fenced at its next commit (or stopped after its `for=`), judged by its own lines.
+
+Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout: an injection has `fault`
+(kind, spec, target, step at injection, wall time); what happens later (a flag removed, a worker thawed,
+a second job's exit, the job's exit code) has `action`.
 """
 
 from __future__ import annotations
@@ -12,24 +21,33 @@ import hashlib
 import json
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
 from chaos.evidence import final_parameters, load_config
-from chaos.faults import Injector, NoTarget
+from chaos.faults import FlagFile, Injector, NoTarget
 from chaos.job import Job
-from chaos.schedule import Fault, restarts_group
+from chaos.schedule import Fault, ordered, restarts_group
 
 # Forced on every chaos run: the evidence the verifier reads.
 EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")
+# Settings that change how a run is observed or slowed down, not what it trains: a reference run goes
+# without them (it is cached by what it trains, and a slowed-down reference only costs time).
+NOT_TRAINING = ("debug.", "checkpoint.")
+RETRY_EVERY_S = 0.2
+
+_log_lock = threading.Lock()
 
 
 def log_line(run_dir: Path, record: dict) -> None:
+    record = {**record, "ts": record.get("ts", time.time())}
     path = run_dir / "chaos" / "faults.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-    print(json.dumps(record), flush=True)
+    with _log_lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
 
 
 def code_fingerprint() -> str:
@@ -58,7 +76,11 @@ def reference_key(config: str, overrides: list[str], agents: int) -> str:
 
 
 def reference_run(config: str, overrides: list[str], agents: int, cache_root: Path, timeout: float) -> Path:
-    """Run (or reuse) the fault-free reference of a chaos run: same config, same starting agents."""
+    """Run (or reuse) the fault-free reference of a chaos run: same config, same starting agents.
+
+    It runs without the chaos run's debug and checkpoint overrides: no step delay (what takes a soak
+    minutes takes its reference seconds), and its checkpoints in its own directory.
+    """
     key = reference_key(config, overrides, agents)
     run_dir = cache_root / key
     if (run_dir / "config.yaml").exists():
@@ -69,7 +91,8 @@ def reference_run(config: str, overrides: list[str], agents: int, cache_root: Pa
             return run_dir
         shutil.rmtree(run_dir)
     print(json.dumps({"event": "reference_start", "run_dir": str(run_dir)}), flush=True)
-    job = Job(run_dir, config, [*overrides, *EVIDENCE, "log.console=none"], agents=agents)
+    training = [o for o in overrides if not o.strip().startswith(NOT_TRAINING)]
+    job = Job(run_dir, config, [*training, *EVIDENCE, "log.console=none"], agents=agents)
     job.start()
     try:
         code = job.wait(timeout)
@@ -78,6 +101,146 @@ def reference_run(config: str, overrides: list[str], agents: int, cache_root: Pa
     if code != 0:
         raise RuntimeError(f"the reference run failed (exit {code}): see {run_dir}/agents")
     return run_dir
+
+
+class Runner:
+    def __init__(
+        self, run_dir: Path, job: Job, schedule: list[Fault], seed: int, timeout: float, cfg
+    ) -> None:
+        self.run_dir, self.job, self.schedule, self.cfg = run_dir, job, schedule, cfg
+        self.timeout = timeout
+        self.rng = random.Random(seed)
+        self.dist_timeout_s = cfg.dist.timeout.total_seconds()
+        self.final_retry_s = cfg.checkpoint.final_retry_for.total_seconds()
+        chaos = run_dir / "chaos"
+        self.storage = FlagFile(chaos / "storage-fault", self.log)
+        self.logs = FlagFile(chaos / "log-fault", self.log)
+        self.injector = Injector(
+            job,
+            self.rng,
+            Path(cfg.checkpoint_dir),
+            self.storage,
+            self.logs,
+            self.log,
+            cfg.train.max_steps,
+        )
+        self.started = time.monotonic()
+
+    def log(self, record: dict) -> None:
+        log_line(self.run_dir, {**record, "elapsed_s": round(time.monotonic() - self.started, 2)})
+
+    # ---- waiting --------------------------------------------------------------------------------------
+    def ended(self) -> bool:
+        return self.job.process.poll() is not None
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() - self.started > self.timeout
+
+    def wait_until(self, condition, limit_s: float, poll_s: float = 0.05) -> bool:
+        """Poll `condition` until it holds (True), the job ends, time is up, or `limit_s` passes."""
+        deadline = time.monotonic() + limit_s
+        while not condition():
+            if self.ended() or self.out_of_time() or time.monotonic() > deadline:
+                return bool(condition())
+            time.sleep(poll_s)
+        return True
+
+    def _due(self, fault: Fault, after_progress: int) -> bool:
+        progress = self.job.progress()
+        due = (fault.at_step is not None and progress >= fault.at_step) or (
+            fault.at_time is not None and time.monotonic() - self.started >= fault.at_time
+        )
+        return due and progress > after_progress
+
+    # ---- the run --------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.job.start()
+        self.started = time.monotonic()
+        injected = 0
+        try:
+            last_progress = 0  # no fault before the group has trained a step
+            for index, fault in enumerate(ordered(self.schedule), start=1):
+                record = {
+                    "fault": fault.kind,
+                    "spec": fault.describe(),
+                    "index": index,
+                    "of": len(self.schedule),
+                }
+                self.wait_until(lambda f=fault, p=last_progress: self._due(f, p), limit_s=float("inf"))
+                if self.ended() or self.out_of_time():
+                    why = "the job had already ended" if self.ended() else "the run ran out of time"
+                    self.log({**record, "skipped": why})
+                    continue
+                outcome = self._inject(fault, record)
+                if "skipped" not in outcome:
+                    injected += 1
+                last_progress = self.job.progress()
+            self.log({"action": "schedule_done", "requested": len(self.schedule), "injected": injected})
+            return self._wait_for_exit()
+        finally:
+            self.injector.close()
+            self.job.kill_everything()
+
+    def _inject(self, fault: Fault, record: dict) -> dict:
+        step = self.job.progress()
+        attempt_before = self.job.attempt
+        retry_until = time.monotonic() + max(60.0, 2 * self.dist_timeout_s)
+        tries, first_miss, waiter = 0, None, None
+        while True:
+            tries += 1
+            try:
+                outcome, waiter = self.injector.inject(fault)
+                break
+            except NoTarget as err:  # e.g. mid-regroup: try again shortly
+                first_miss = first_miss or str(err)
+                if self.ended() or self.out_of_time() or time.monotonic() > retry_until:
+                    outcome = {"skipped": f"no target: {err}"}
+                    break
+                time.sleep(RETRY_EVERY_S)
+            except OSError as err:  # the injector itself failed: record it, keep the run going
+                outcome = {"skipped": f"injection failed: {type(err).__name__}: {err}"}
+                break
+        if tries > 1:
+            outcome = {**outcome, "tries": tries, "first_miss": first_miss}
+        self.log({**record, **outcome, "step": step})
+        if "skipped" in outcome:
+            return outcome
+        if restarts_group(fault.kind, fault.duration, self.dist_timeout_s, self.final_retry_s):
+            self._wait_for_recovery(fault, outcome, attempt_before)
+        if waiter is not None and fault.kind == "log-full":
+            limit = (fault.duration or 60.0) + 30.0
+            if not self.wait_until(waiter.is_set, limit_s=limit):
+                self.log({"action": "wait_timeout", "fault": fault.kind, "waited_for": "the fault's window"})
+        return outcome
+
+    def _wait_for_recovery(self, fault: Fault, outcome: dict, attempt_before: int) -> None:
+        """One fault at a time: the next waits until a newer group has trained a step. After a second job,
+        the main group must outnumber the second job's attempt (it is fenced, restarts, re-registers)."""
+        after = attempt_before
+        if fault.kind == "second-job":
+            after = max(after, outcome["attempt"])
+        limit = max(120.0, 3 * self.dist_timeout_s)
+        recovered = self.wait_until(lambda: any(a > after for a in self._main_attempts_with_steps()), limit)
+        if not recovered and not self.ended():
+            self.log(
+                {"action": "wait_timeout", "fault": fault.kind, "waited_for": f"an attempt after {after}"}
+            )
+
+    def _main_attempts_with_steps(self) -> list[int]:
+        self.job.progress()
+        return list(self.job.attempt_steps)
+
+    def _wait_for_exit(self) -> int:
+        remaining = self.timeout - (time.monotonic() - self.started)
+        self.wait_until(self.ended, limit_s=max(1.0, remaining), poll_s=0.2)
+        if not self.ended():
+            self.log({"action": "job_timeout", "after_s": self.timeout})
+            self.job.kill_everything()
+            code = 124
+        else:
+            code = self.job.process.returncode
+        self.log({"action": "job_exit", "exit_code": code})
+        return code
 
 
 def run_schedule(
@@ -90,73 +253,28 @@ def run_schedule(
     max_nodes: int,
     seed: int,
     timeout: float,
+    fitted: dict[str, str] | None = None,
 ) -> int:
-    """Run the job with its faults; return the launcher's exit code."""
-    fault_flag = run_dir / "chaos" / "storage-fault"
-    job = Job(
-        run_dir,
-        config,
-        [*overrides, *EVIDENCE, f"debug.storage_fault_file={fault_flag}", "log.console=none"],
-        agents=agents,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-    )
-    (run_dir / "chaos").mkdir(parents=True, exist_ok=True)
-    (run_dir / "chaos" / "schedule.json").write_text(json.dumps([f.to_dict() for f in schedule], indent=1))
-    job.start()
-    started = time.monotonic()
-    cfg = None
-    rng = random.Random(seed)
-    last_progress = 0  # no fault before the group has trained a step
-    try:
-        for fault in sorted(schedule, key=lambda f: (f.at_time or 0.0, f.at_step or 0)):
-            while True:
-                if job.process.poll() is not None:
-                    break
-                progress = job.progress()
-                due = (fault.at_step is not None and progress >= fault.at_step) or (
-                    fault.at_time is not None and time.monotonic() - started >= fault.at_time
-                )
-                if due and progress > last_progress:
-                    break
-                time.sleep(0.05)
-            record = {"fault": fault.kind, "spec": fault.describe()}
-            if job.process.poll() is not None:
-                log_line(run_dir, {**record, "skipped": "the job had already ended", "ts": time.time()})
-                continue
-            cfg = cfg or load_config(run_dir)
-            injector = Injector(job, rng, Path(cfg.checkpoint_dir), fault_flag)
-            step = job.progress()
-            attempt_before = job.attempt
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    outcome = injector.inject(fault)
-                    break
-                except NoTarget as err:  # e.g. mid-regroup: try again shortly
-                    if time.monotonic() > deadline or job.process.poll() is not None:
-                        outcome = {"skipped": f"no target: {err}"}
-                        break
-                    time.sleep(0.2)
-                except OSError as err:  # the injector itself failed: record it, keep the run going
-                    outcome = {"skipped": f"injection failed: {type(err).__name__}: {err}"}
-                    break
-            log_line(
-                run_dir,
-                {
-                    **record,
-                    **outcome,
-                    "step": step,
-                    "ts": time.time(),
-                    "elapsed_s": round(time.monotonic() - started, 2),
-                },
-            )
-            timeout_s = cfg.dist.timeout.total_seconds()
-            if "skipped" not in outcome and restarts_group(fault.kind, fault.duration, timeout_s):
-                # One fault at a time: the next one waits until the group has recovered from this one.
-                job.wait_for_new_attempt(after=attempt_before, timeout=max(120.0, 3 * timeout_s))
-            last_progress = job.progress()
-        return job.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
-    finally:
-        fault_flag.unlink(missing_ok=True)
-        job.kill_everything()
+    """Run the job with its faults; return the launcher's exit code (124: killed after `timeout`)."""
+    from elastic_qa.train import resolve_config
+
+    chaos = run_dir / "chaos"
+    flags = [
+        f"debug.storage_fault_file={chaos / 'storage-fault'}",
+        f"debug.log_fault_file={chaos / 'log-fault'}",
+    ]
+    fitted = fitted or {}
+    job_overrides = [
+        *overrides,
+        *(f"{k}={v}" for k, v in fitted.items()),
+        *EVIDENCE,
+        *flags,
+        "log.console=none",
+    ]
+    job = Job(run_dir, config, job_overrides, agents=agents, min_nodes=min_nodes, max_nodes=max_nodes)
+    cfg = resolve_config(config, job.overrides)
+    chaos.mkdir(parents=True, exist_ok=True)
+    (chaos / "schedule.json").write_text(json.dumps([f.to_dict() for f in schedule], indent=1))
+    if fitted:
+        log_line(run_dir, {"action": "fit_job", "overrides": fitted})
+    return Runner(run_dir, job, schedule, seed, timeout, cfg).run()

@@ -1,16 +1,26 @@
 """Fault schedules: explicit (`kill-worker@step=40`, `join-node@time=20s`) or random from a seed.
 
-A random schedule is drawn up front from `--seed`, so the same seed gives the same schedule. It honours the
-job's node bounds by tracking the number of agents each fault leaves: a node is only killed or stopped
-while more than `min` agents run (and never the c10d store host), and only joins while fewer than `max` run.
+A random schedule is drawn up front from `--seed`, so the same seed gives the same schedule. It is fitted
+to the job: faults are triggered by training step, one in each of `count` equal slices of the job's
+`train.max_steps` (leaving the last slice for the last fault's recovery), so that every fault finds a
+running job, however fast or slow its steps are. Wall-time triggers used to place faults after a short
+job had ended (seed 11, 4 faults on the 40-step tiny job: 1 injected, 3 skipped). `fit_job` then slows a
+job whose slices would pass too quickly for a fault to act (and checkpoints often enough for the faults
+that need a checkpoint to hit).
+
+It honours the job's node bounds by tracking the number of agents each fault leaves: a node is only
+killed or stopped while more than `min` agents run (and never the c10d store host), and only joins while
+fewer than `max` run. `final-storage-errors` spans the final save, so it is drawn at most once and always
+comes last.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
 
-from elastic_qa.config import format_duration, parse_duration
+from elastic_qa.config import Config, format_duration, parse_duration
 
 KINDS = (
     "kill-worker",
@@ -21,10 +31,36 @@ KINDS = (
     "kill-during-save",
     "corrupt-checkpoint",
     "storage-errors",
+    "final-storage-errors",
+    "corrupt-replay",
+    "log-full",
+    "hup",
+    "second-job",
 )
 # Faults after which the worker group restarts (and so must recover), and those that must lose nothing.
-RESTARTING = frozenset({"kill-worker", "kill-node", "term-node", "join-node", "kill-during-save"})
-ZERO_LOSS = frozenset({"term-node", "join-node"})
+# second-job: the main job's next commit is fenced (a newer attempt registered), so its group restarts.
+RESTARTING = frozenset(
+    {"kill-worker", "kill-node", "term-node", "join-node", "kill-during-save", "hup", "corrupt-replay"}
+    | {"second-job"}
+)
+ZERO_LOSS = frozenset({"term-node", "join-node", "hup"})
+# Faults whose window (`for=`) has a default: freeze length, storage/log error window, the final window
+# (seconds after max_steps), the second job's longest life.
+DEFAULT_FOR = {
+    "freeze-worker": 3.0,
+    "storage-errors": 5.0,
+    "log-full": 3.0,
+    "final-storage-errors": 3.0,
+    "second-job": 60.0,
+}
+# Faults that act on a checkpoint or a save: the job must save within each fault's slice.
+NEEDS_SAVES = frozenset(
+    {"kill-during-save", "corrupt-checkpoint", "corrupt-replay", "storage-errors", "second-job"}
+)
+FINAL = "final-storage-errors"
+# Seconds of training a second job needs after its trigger: its start (torch, the data: 3-8 s on a busy
+# 2-core box), then the main job's next commit, which is fenced.
+SECOND_JOB_RUNWAY_S = 15.0
 # Effect of each fault on the number of agents.
 _NODE_DELTA = {"kill-node": -1, "term-node": -1, "join-node": +1}
 
@@ -34,23 +70,30 @@ class Fault:
     kind: str
     at_step: int | None = None  # inject once the job has completed this step
     at_time: float | None = None  # ... or this many seconds after the job started
-    duration: float | None = (
-        None  # freeze-worker: seconds until SIGCONT (None: never); storage-errors: seconds
-    )
+    duration: float | None = None  # the kind's window (see DEFAULT_FOR); freeze-worker: None is never
 
     def describe(self) -> str:
         when = f"step={self.at_step}" if self.at_step is not None else f"time={self.at_time:g}s"
-        extra = f",for={format_duration_s(self.duration)}" if self.duration is not None else ""
+        extra = ""
+        if self.duration is not None:
+            extra = f",for={format_duration_s(self.duration)}"
+        elif self.kind == "freeze-worker":
+            extra = ",for=never"
         return f"{self.kind}@{when}{extra}"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def restarts_group(kind: str, freeze_s: float | None, dist_timeout_s: float) -> bool:
-    """A freeze restarts the group only when it outlasts dist.timeout (or never thaws)."""
+def restarts_group(
+    kind: str, duration_s: float | None, dist_timeout_s: float, final_retry_s: float = math.inf
+) -> bool:
+    """A freeze restarts the group only when it outlasts dist.timeout (or never thaws); the final storage
+    errors only when they outlast checkpoint.final_retry_for (the job then exits 1 and is restarted)."""
     if kind == "freeze-worker":
-        return freeze_s is None or freeze_s >= dist_timeout_s
+        return duration_s is None or duration_s >= dist_timeout_s
+    if kind == FINAL:
+        return duration_s is not None and duration_s >= final_retry_s
     return kind in RESTARTING
 
 
@@ -61,21 +104,26 @@ def format_duration_s(seconds: float) -> str:
 
 
 def parse_fault(text: str) -> Fault:
-    """`KIND@step=N`, `KIND@time=20s`, optionally `,for=5s` (freeze length, storage-error window)."""
+    """`KIND@step=N`, `KIND@time=20s`, optionally `,for=5s` (see DEFAULT_FOR for what the window is)."""
     kind, sep, rest = text.partition("@")
     if kind not in KINDS:
         raise ValueError(f"--fault {text!r}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
     if not sep:
         raise ValueError(f"--fault {text!r}: say when, e.g. {kind}@step=40 or {kind}@time=20s")
-    at_step = at_time = duration = None
+    at_step = at_time = None
+    duration = DEFAULT_FOR.get(kind)
     for part in rest.split(","):
         key, _, value = part.partition("=")
         try:
             if key == "step":
                 at_step = int(value)
+                if at_step < 1:
+                    raise ValueError("step must be >= 1")
             elif key == "time":
                 at_time = parse_duration(value).total_seconds()
             elif key == "for":
+                if value == "never" and kind != "freeze-worker":
+                    raise ValueError("only freeze-worker can last for=never")
                 duration = None if value == "never" else parse_duration(value).total_seconds()
             else:
                 raise ValueError(f"unknown key {key!r}")
@@ -83,15 +131,13 @@ def parse_fault(text: str) -> Fault:
             raise ValueError(f"--fault {text!r}: {err}") from None
     if (at_step is None) == (at_time is None):
         raise ValueError(f"--fault {text!r}: give exactly one of step=N or time=DURATION")
-    if kind == "freeze-worker" and duration is None and "for=never" not in rest:
-        duration = 3.0
-    if kind == "storage-errors" and duration is None:
-        duration = 5.0
     return Fault(kind, at_step, at_time, duration)
 
 
-def validate(faults: list[Fault], agents: int, min_nodes: int, max_nodes: int) -> None:
-    """Refuse an explicit schedule that would break the node bounds."""
+def validate(
+    faults: list[Fault], agents: int, min_nodes: int, max_nodes: int, max_steps: int | None = None
+) -> None:
+    """Refuse an explicit schedule that would break the node bounds or could never fire."""
     count = agents
     for fault in sorted(faults, key=_order):
         count += _NODE_DELTA.get(fault.kind, 0)
@@ -99,55 +145,138 @@ def validate(faults: list[Fault], agents: int, min_nodes: int, max_nodes: int) -
             raise ValueError(f"{fault.describe()} would leave {count} agents (min {min_nodes})")
         if count > max_nodes:
             raise ValueError(f"{fault.describe()} would make {count} agents (max {max_nodes})")
+        if max_steps is not None and fault.at_step is not None and fault.at_step >= max_steps:
+            raise ValueError(f"{fault.describe()} would never fire: the job ends at step {max_steps}")
+    finals = [f for f in faults if f.kind == FINAL]
+    if len(finals) > 1:
+        raise ValueError(f"{FINAL} spans the final save: give it at most once")
+    if finals and sorted(faults, key=_order)[-1] != finals[0]:
+        raise ValueError(f"{FINAL} spans the final save: it must be the last fault")
 
 
 def _order(fault: Fault) -> tuple[float, float]:
-    return (fault.at_time if fault.at_time is not None else float("inf"), fault.at_step or 0)
+    return (fault.at_time if fault.at_time is not None else math.inf, fault.at_step or 0)
+
+
+def ordered(faults: list[Fault]) -> list[Fault]:
+    """The order the runner injects in: time triggers first (by time), then step triggers (by step)."""
+    return sorted(faults, key=_order)
+
+
+def slices(max_steps: int, count: int) -> tuple[int, int]:
+    """(steps per fault slice, the step the final fault fires at) for `count` faults on the job."""
+    width = max_steps // (count + 1)
+    if width < 2:
+        raise ValueError(
+            f"{count} faults need at least {2 * (count + 1)} steps (2 per fault, and room for the last "
+            f"fault's recovery); the job has train.max_steps={max_steps}"
+        )
+    return width, max_steps - max(1, min(5, width // 2))
 
 
 def random_schedule(
     seed: int,
     count: int,
-    mean_interval_s: float,
+    max_steps: int,
     agents: int,
     min_nodes: int,
     max_nodes: int,
     kinds: tuple[str, ...] = KINDS,
-    first_at_s: float = 5.0,
 ) -> list[Fault]:
-    """`count` faults with exponential gaps (mean `mean_interval_s`), kinds drawn uniformly among those
-    the node bounds allow at that point."""
+    """`count` faults, one at a random step of each of `count` equal slices of [1, max_steps - slice],
+    kinds drawn uniformly among those the node bounds allow at that point (`final-storage-errors` at most
+    once, moved to a few steps before max_steps; `second-job` only in the first half of the job)."""
     rng = random.Random(seed)
-    faults, now, nodes = [], first_at_s, agents
-    for _ in range(count):
+    width, final_step = slices(max_steps, count)
+    drawn: list[str] = []
+    nodes = agents
+    for index in range(count):
         allowed = [
             kind
             for kind in kinds
             if min_nodes <= nodes + _NODE_DELTA.get(kind, 0) <= max_nodes
             # kill-node/term-node never target the store host, so they need a second agent
             and not (kind in ("kill-node", "term-node") and nodes < 2)
+            and not (kind == FINAL and FINAL in drawn)
         ]
+        # A second job takes seconds to start (torch, the data): it must find the main job far from done.
+        early = [kind for kind in allowed if not (kind == "second-job" and 2 * index >= count)]
+        allowed = early or allowed
         kind = rng.choice(allowed)
-        duration = None
-        if kind == "freeze-worker":
-            duration = rng.choice([1.0, 2.0, 4.0, None]) if rng.random() < 0.25 else rng.uniform(1.0, 4.0)
-        elif kind == "storage-errors":
-            duration = rng.uniform(2.0, 6.0)
-        faults.append(
-            Fault(kind, at_time=round(now, 2), duration=None if duration is None else round(duration, 2))
-        )
+        drawn.append(kind)
         nodes += _NODE_DELTA.get(kind, 0)
-        now += rng.expovariate(1.0 / mean_interval_s)
+    if FINAL in drawn:  # no effect on the node count, so moving it to the end keeps the bounds
+        drawn.remove(FINAL)
+        drawn.append(FINAL)
+    faults = []
+    for index, kind in enumerate(drawn):
+        step = final_step if kind == FINAL else 1 + index * width + rng.randrange(width)
+        faults.append(Fault(kind, at_step=step, duration=_random_duration(rng, kind)))
     return faults
 
 
+def _random_duration(rng: random.Random, kind: str) -> float | None:
+    if kind == "freeze-worker":
+        seconds = rng.choice([1.0, 2.0, 4.0, None]) if rng.random() < 0.25 else rng.uniform(1.0, 4.0)
+    elif kind in ("storage-errors", "final-storage-errors"):
+        seconds = rng.uniform(2.0, 6.0)
+    elif kind == "log-full":
+        seconds = rng.uniform(1.0, 4.0)
+    else:
+        seconds = DEFAULT_FOR.get(kind)
+    return None if seconds is None else round(seconds, 2)
+
+
+def fit_job(cfg: Config, faults: list[Fault], min_gap_s: float) -> dict[str, str]:
+    """Overrides that make the job long enough for a random schedule, with the reason for each.
+
+    Each fault has `max_steps // (count + 1)` steps to act in; when that takes less than `min_gap_s` at
+    the configured `debug.step_delay`, the delay is raised (steps themselves take a few ms on the tiny
+    model, so the delay alone is what can be counted on). Faults that hit a save or a checkpoint need
+    saves to come about as often as faults: a `checkpoint.interval` over four slices (the tiny config's
+    30m, say, on a job of seconds) is shortened to one slice (at least 1 s); kill-during-save gets a
+    `debug.save_delay` of 50 ms when none is set, so that the save window is wide enough to hit; a second
+    job needs SECOND_JOB_RUNWAY_S of training after its trigger to start and race the main one. None of
+    these change what is trained (the reference run ignores debug and checkpoint settings).
+    """
+    if not faults:
+        return {}
+    width, _ = slices(cfg.train.max_steps, len(faults))
+    fitted: dict[str, str] = {}
+    delay = cfg.debug.step_delay.total_seconds()
+    if width * delay < min_gap_s:
+        delay = math.ceil(1000 * min_gap_s / width) / 1000
+        fitted["debug.step_delay"] = f"{delay * 1000:g}ms"
+    for fault in faults:  # a second job needs the main job to run on while it starts and is fenced
+        if fault.kind == "second-job" and fault.at_step is not None:
+            needed = SECOND_JOB_RUNWAY_S / max(1, cfg.train.max_steps - fault.at_step)
+            if delay < needed:
+                delay = math.ceil(1000 * needed) / 1000
+                fitted["debug.step_delay"] = f"{delay * 1000:g}ms"
+    kinds = {f.kind for f in faults}
+    if kinds & NEEDS_SAVES:
+        slice_s = width * delay
+        interval = cfg.checkpoint.interval.total_seconds()
+        every = cfg.checkpoint.every_steps
+        if interval > 4 * slice_s and not (0 < every <= 4 * width):
+            fitted["checkpoint.interval"] = format_duration_s(max(1.0, round(slice_s, 1)))
+    if "kill-during-save" in kinds and cfg.debug.save_delay.total_seconds() == 0:
+        fitted["debug.save_delay"] = "50ms"
+    return fitted
+
+
 __all__ = [
+    "DEFAULT_FOR",
+    "FINAL",
     "KINDS",
     "RESTARTING",
     "ZERO_LOSS",
     "Fault",
+    "fit_job",
+    "ordered",
     "parse_fault",
     "random_schedule",
     "restarts_group",
+    "slices",
     "validate",
 ]

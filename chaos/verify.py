@@ -1,15 +1,32 @@
 """The verdict: from a run's logs, ledger, checkpoints and fault records, did recovery lose anything?
 
 Checks (exit code 0 only when all hold):
-1. the job completed train.max_steps;
+1. the job completed train.max_steps (the main job: a second job's lines do not count) and, where the
+   runner recorded it, exited 0;
 2. the effective training order (per step, the highest attempt that ran it) is exactly the planned global
-   order: no step missing, each sample used exactly once per epoch;
-3. every committed checkpoint verifies (except ones a fault corrupted on purpose, which must never have
-   been resumed from), and no more are retained than keep_last + milestones;
-4. lost work per fault within its bound: 0 for term-node/join-node and faults that need no restart, <= 1
-   step for a kill or freeze that leaves survivors, and no older than the newest valid checkpoint when no
-   rank survives; recovery time (fault -> first completed step of the new group) reported per fault;
-5. the outcome matches a fault-free reference run: bitwise when every attempt ran at the reference's world
+   order: no step missing, each sample used exactly once per epoch (from the sample ledger, which log
+   faults cannot touch);
+3. every committed checkpoint verifies (except copies a fault corrupted on purpose, which must never have
+   been resumed from; a later commit of their step must verify), a quarantined one that verifies was
+   superseded by a newer commit of its step, and no more are retained than keep_last + milestones;
+4. done claims, fencing and retention (see chaos.history): no job ends done without its own final
+   checkpoint committed and verified, no stale attempt commits, no attempt number is handed out twice, no
+   checkpoint the policy keeps is gone;
+5. per fault (chaos.judge), lost work within its bound: 0 for term-node/join-node/hup and faults that need
+   no restart, <= 1 step for a kill or freeze that leaves survivors, and no older than the newest valid
+   checkpoint when no rank can save (every worker killed, the survivors fenced, or storage down); recovery
+   time (fault -> first completed step of the new group) reported per fault; plus each new kind's check:
+   - hup: the group stopped gracefully (a `stopping` line) rather than losing a rank;
+   - log-full: no restart, and the attempt that was training went on training through the window;
+   - final-storage-errors: no restart (the final save retries for checkpoint.final_retry_for), and the
+     final checkpoint in place verifies;
+   - corrupt-replay: the corrupted copy was quarantined (in rejected/, failing verification), the next
+     group resumed from an older step and replayed across it, and a copy of that step in place now is a
+     newer attempt's replay;
+   - second-job: the main group was fenced and restarted past the second job's attempt, and the second
+     job ended fenced (exit 1), done (exit 0, judged by 4) or stopped by the runner, never otherwise;
+6. every requested fault was injected (a skipped one is listed with the reason);
+7. the outcome matches a fault-free reference run: bitwise when every attempt ran at the reference's world
    size, else within 1e-4 relative (runs up to 500 steps), else eval loss within 1% and EM/F1 within 1 point.
 """
 
@@ -21,18 +38,39 @@ from pathlib import Path
 from typing import Any
 
 from chaos.evidence import (
+    Copy,
     attempts,
     check_checkpoints,
     check_ledger,
+    checkpoint_copies,
     final_parameters,
     load_config,
     load_events,
     parameter_difference,
+    registrations,
 )
-from chaos.schedule import ZERO_LOSS, restarts_group
+from chaos.history import blind_windows, check_claims, check_fencing, check_nothing_lost, done_claims
+from chaos.judge import (
+    Evidence,
+    corrupted_steps,
+    corruptions,
+    judge_faults,
+    resumed_from_corrupted,
+    second_job_pids,
+)
+from elastic_qa.config import Config
 from elastic_qa.data.cache import prepare
+from elastic_qa.observe.ledger import read_ledger
 
 SHORT_RUN_STEPS = 500
+__all__ = [
+    "Verdict",
+    "corrupted_steps",
+    "format_table",
+    "judge_faults",
+    "resumed_from_corrupted",
+    "verify_run",
+]
 
 
 @dataclass
@@ -45,103 +83,39 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        # A skipped fault (nothing to hit, or the job had ended) is reported, not held against the run.
+        # A skipped fault fails the `faults_injected` check, not its own row.
         return all(c["ok"] for c in self.checks.values()) and all(f["verdict"] != "FAIL" for f in self.faults)
 
 
-def read_faults(run_dir: Path) -> list[dict[str, Any]]:
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "chaos" / "faults.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def corrupted_steps(faults: list[dict]) -> set[int]:
-    return {
-        f["checkpoint_step"] for f in faults if f["fault"] == "corrupt-checkpoint" and "checkpoint_step" in f
-    }
-
-
-def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
-    """Steps resumed from while their checkpoint was the copy a fault corrupted (no newer commit of the
-    same step in between: a replayed run may legitimately commit that step again)."""
-    corruptions = [(f["ts"], f["checkpoint_step"]) for f in faults if "checkpoint_step" in f]
-    bad = []
-    for resume in (e for e in events if e.get("event") == "resume" and e.get("rank") == 0):
-        step, at = resume["step"], resume["ts"]
-        corrupted_at = max((ts for ts, s in corruptions if s == step and ts < at), default=None)
-        if corrupted_at is None:
-            continue
-        recommitted = any(e["step"] == step and corrupted_at < e["ts"] < at for e in _committed(events))
-        if not recommitted:
-            bad.append(step)
-    return bad
-
-
-def _committed(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == "checkpoint_committed"]
-
-
-def judge_faults(events: list[dict], faults: list[dict], dist_timeout_s: float) -> list[dict[str, Any]]:
-    """One row per injected fault: the restart it caused (if any), lost steps, recovery seconds."""
-    runs = attempts(events)
-    corrupted = corrupted_steps(faults)
-    claimed: set[int] = set()
     rows = []
-    for fault in faults:
-        row = {
-            "fault": fault["fault"],
-            "step": fault.get("step"),
-            "ts": fault.get("ts"),
-            "lost": 0,
-            "recovery_s": None,
-            "verdict": "ok",
-            "note": "",
-        }
-        if fault.get("skipped"):
-            row.update(verdict="skipped", note=fault["skipped"])
-            rows.append(row)
-            continue
-        expects_restart = restarts_group(fault["fault"], fault.get("thaw_after_s"), dist_timeout_s)
-        if not expects_restart:
-            rows.append(row)
-            continue
-        later = [a for a in runs if a["start"] > fault["ts"] and a["attempt"] not in claimed]
-        if not later:
-            row.update(verdict="FAIL", note="no restart after the fault")
-            rows.append(row)
-            continue
-        new = later[0]
-        claimed.add(new["attempt"])
-        before = [a for a in runs if a["start"] < new["start"]]
-        completed = max([a["last_step"] for a in before] + [a["resumed_step"] for a in before] + [0])
-        row["lost"] = max(0, completed - new["resumed_step"])
-        if new["first_step_ts"] is not None:
-            row["recovery_s"] = round(new["first_step_ts"] - fault["ts"], 2)
-        previous = before[-1] if before else None
-        survivors = previous is not None and (previous["world_size"] or 0) > 1
-        storage_down = any(
-            f["fault"] == "storage-errors"
-            and f["ts"] <= new["start"]
-            and fault["ts"] <= f["ts"] + f["fail_for_s"]
-            for f in faults
-            if "fail_for_s" in f
-        )
-        if fault["fault"] in ZERO_LOSS:
-            bound, why = 0, "graceful: the last completed step is committed before leaving"
-        elif survivors and not storage_down:
-            bound, why = 1, "survivors commit the last completed step"
-        else:
-            valid = [
-                e["step"] for e in _committed(events) if e["ts"] < new["start"] and e["step"] not in corrupted
-            ]
-            bound = completed - max(valid, default=0)
-            why = "no survivor could save: back to the newest valid checkpoint"
-        row["bound"] = bound
-        if row["lost"] > bound:
-            row.update(verdict="FAIL", note=f"lost {row['lost']} steps, bound {bound} ({why})")
-        rows.append(row)
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
     return rows
+
+
+def read_faults(run_dir: Path) -> list[dict[str, Any]]:
+    """The injections (one line per fault; a line by hand on a cluster needs only fault, ts and step)."""
+    return [r for r in read_records(run_dir) if "fault" in r and "action" not in r]
+
+
+def read_actions(run_dir: Path) -> list[dict[str, Any]]:
+    """What the runner did after injecting (windows closed, a second job's exit, the job's exit code)."""
+    return [r for r in read_records(run_dir) if "action" in r]
+
+
+def requested_faults(run_dir: Path, faults: list[dict]) -> int:
+    path = Path(run_dir) / "chaos" / "schedule.json"
+    if path.exists():
+        return len(json.loads(path.read_text()))
+    return len(faults)
 
 
 def _reference_comparison(cfg, events, reference_dir: Path | None) -> tuple[bool, dict[str, Any]]:
@@ -181,21 +155,37 @@ def _reference_comparison(cfg, events, reference_dir: Path | None) -> tuple[bool
     return ok, detail
 
 
+def _completed(cfg: Config, events: list[dict], actions: list[dict], copies: list[Copy]) -> tuple[bool, str]:
+    max_steps = cfg.train.max_steps
+    done = [e for e in events if e.get("event") == "train_done"]
+    final_step = max((e["step"] for e in done), default=0)
+    exits = [a["exit_code"] for a in actions if a.get("action") == "job_exit"]
+    code = exits[-1] if exits else None
+    detail = f"train_done at step {final_step} of {max_steps}" + ("" if code is None else f", exit {code}")
+    if code not in (None, 0):
+        return False, detail
+    if final_step == max_steps:
+        return True, detail
+    final = next((c for c in copies if c.step == max_steps and not c.quarantined and c.ok), None)
+    if code == 0 and final is not None:  # the train_done line itself may have been dropped (disk full)
+        return True, detail + f" (no train_done line; the checkpoint at step {max_steps} verifies)"
+    return False, detail
+
+
 def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
     run_dir = Path(run_dir)
     cfg = load_config(run_dir)
-    events = load_events(run_dir)
-    faults = read_faults(run_dir)
+    all_events = load_events(run_dir)
+    faults, actions = read_faults(run_dir), read_actions(run_dir)
+    second = second_job_pids(faults)
+    events = [e for e in all_events if e.get("pid") not in second]
+    copies = checkpoint_copies(cfg)
     verdict = Verdict()
 
-    done = [e for e in events if e.get("event") == "train_done"]
-    final_step = max((e["step"] for e in done), default=0)
-    verdict.add(
-        "completed",
-        final_step == cfg.train.max_steps,
-        f"train_done at step {final_step} of {cfg.train.max_steps}",
-    )
+    ok, detail = _completed(cfg, events, actions, copies)
+    verdict.add("completed", ok, detail)
 
+    ledger_rows = read_ledger(run_dir)
     ledger = check_ledger(run_dir, cfg, len(prepare(cfg.data).train))
     verdict.add(
         "exactly_once",
@@ -203,28 +193,54 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
         {"steps": ledger.steps, "epochs_completed": ledger.epochs_completed, "problems": ledger.problems},
     )
 
-    corrupted = corrupted_steps(faults)
-    problems = check_checkpoints(cfg, exclude=corrupted)
-    bad_resumes = resumed_from_corrupted(events, faults)
+    problems = check_checkpoints(cfg, corruptions=corruptions(faults))
+    bad_resumes = resumed_from_corrupted(all_events, faults)
     if bad_resumes:
         problems.append(f"resumed from a checkpoint corrupted on purpose: steps {bad_resumes}")
     verdict.add("checkpoints", not problems, problems)
 
-    dist_timeout = cfg.dist.timeout.total_seconds()
-    verdict.faults = judge_faults(events, faults, dist_timeout)
+    claims = done_claims(all_events, actions, second)
+    history = check_claims(claims, copies, all_events, cfg.train.max_steps)
+    history += check_fencing(copies, all_events, registrations(cfg), second)
+    blind = blind_windows(all_events, actions)
+    keep = (cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps)
+    history += check_nothing_lost(copies, all_events, *keep, blind)
+    verdict.add("checkpoint_history", not history, {"done_claims": len(claims), "problems": history})
 
-    ok, detail = _reference_comparison(cfg, events, reference_dir)
+    evidence = Evidence(
+        events,
+        all_events,
+        faults,
+        actions,
+        copies,
+        ledger_rows,
+        cfg.dist.timeout.total_seconds(),
+        cfg.checkpoint.final_retry_for.total_seconds(),
+        cfg.train.max_steps,
+    )
+    verdict.faults = judge_faults(events, faults, evidence.dist_timeout_s, evidence)
+
+    requested = requested_faults(run_dir, faults)
+    injected = sum(1 for f in faults if not f.get("skipped"))
+    skipped = [f"{f['fault']}: {f['skipped']}" for f in faults if f.get("skipped")]
+    verdict.add(
+        "faults_injected",
+        injected >= requested,
+        {"requested": requested, "injected": injected, "skipped": skipped},
+    )
+
+    ok, detail = _reference_comparison(cfg, all_events, reference_dir)
     verdict.add("matches_reference", ok, detail)
     return verdict
 
 
 def format_table(verdict: Verdict) -> str:
-    lines = [f"{'fault':<20}{'step':>6}{'lost':>6}{'recovery_s':>12}  verdict"]
+    lines = [f"{'fault':<22}{'step':>6}{'lost':>6}{'recovery_s':>12}  verdict"]
     for row in verdict.faults:
         recovery = "-" if row["recovery_s"] is None else f"{row['recovery_s']:.1f}"
         note = f"  ({row['note']})" if row["note"] else ""
         lines.append(
-            f"{row['fault']:<20}{row['step'] if row['step'] is not None else '-':>6}"
+            f"{row['fault']:<22}{row['step'] if row['step'] is not None else '-':>6}"
             f"{row['lost']:>6}{recovery:>12}  {row['verdict']}{note}"
         )
     lines.append("")
@@ -236,8 +252,14 @@ def format_table(verdict: Verdict) -> str:
                 f"{detail['max_abs']:.3g}, bitwise {detail['bitwise_equal']}, worlds {detail['world_sizes']}"
             )
         lines.append(f"{'PASS' if check['ok'] else 'FAIL'}  {name}: {detail}")
+    counts = verdict.checks.get("faults_injected", {}).get("detail", {})
     injected = sum(row["verdict"] != "skipped" for row in verdict.faults)
-    lines.append(f"\nfaults injected: {injected}, skipped: {len(verdict.faults) - injected}")
+    requested = (
+        counts.get("requested", len(verdict.faults)) if isinstance(counts, dict) else len(verdict.faults)
+    )
+    lines.append(
+        f"\nfaults injected: {injected} of {requested} requested, skipped: {len(verdict.faults) - injected}"
+    )
     lines.append(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
     return "\n".join(lines)
 
@@ -247,7 +269,14 @@ def write_report(run_dir: Path, verdict: Verdict, reference_dir: Path | None) ->
 
     out_dir = Path(run_dir) / "chaos"
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"ok": verdict.ok, "checks": verdict.checks, "faults": verdict.faults}
+    counts = verdict.checks.get("faults_injected", {}).get("detail", {})
+    report = {
+        "ok": verdict.ok,
+        "faults_requested": counts.get("requested"),
+        "faults_injected": counts.get("injected"),
+        "checks": verdict.checks,
+        "faults": verdict.faults,
+    }
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(report, indent=1, default=str))
     summary = "<pre>" + format_table(verdict).replace("&", "&amp;").replace("<", "&lt;") + "</pre>"

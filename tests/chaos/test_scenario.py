@@ -1,4 +1,9 @@
-"""A short chaos scenario on real torchrun agents: one fault of every kind, then the verdict."""
+"""Short chaos scenarios on real torchrun agents: one fault of every kind, then the verdict.
+
+Two scenarios share one fault-free reference run (the same training: only debug and checkpoint settings
+differ, which the reference ignores): the original eight kinds, and the five that go after lost data
+(the final save, a replay across a corrupt checkpoint, a full log disk, SIGHUP, a second job).
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,22 @@ FAULTS = [
     "storage-errors@step=100,for=3s",
     "kill-node@step=110",
 ]
+# The second job starts early: it needs seconds to start (torch, the data) while the main job trains on.
+NEW_FAULTS = [
+    "hup@step=10",
+    "corrupt-replay@step=25",
+    "second-job@step=40",
+    "log-full@step=115,for=3s",
+    "final-storage-errors@step=145,for=3s",
+]
 
 
-def test_a_scenario_with_every_fault_kind_passes_verification(tmp_path: Path, cache_dir: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("chaos-references")
+
+
+def run_chaos(run_dir: Path, references: Path, cache_dir: Path, faults: list[str], *extra: str) -> dict:
     command = [
         sys.executable,
         "-m",
@@ -37,20 +54,51 @@ def test_a_scenario_with_every_fault_kind_passes_verification(tmp_path: Path, ca
         "--max",
         "3",
         "--reference-cache",
-        str(tmp_path / "references"),
+        str(references),
         "--timeout",
         "400",
-        *[arg for fault in FAULTS for arg in ("--fault", fault)],
+        *[arg for fault in faults for arg in ("--fault", fault)],
         f"data.cache_dir={cache_dir}",
         "train.max_steps=150",
-        "debug.step_delay=50ms",
         "checkpoint.interval=2s",
-        "debug.save_delay=100ms",
+        *extra,
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     assert report["ok"]
-    assert [row["fault"] for row in report["faults"]] == [f.split("@")[0] for f in FAULTS]
+    assert [row["fault"] for row in report["faults"]] == [f.split("@")[0] for f in faults]
     assert all(row["verdict"] == "ok" for row in report["faults"])
-    assert (run_dir / "chaos" / "report.html").stat().st_size > 1000
+    assert report["faults_injected"] == report["faults_requested"] == len(faults)
+    return report
+
+
+def test_a_scenario_with_every_fault_kind_passes_verification(
+    tmp_path: Path, cache_dir: Path, references: Path
+) -> None:
+    run_chaos(
+        tmp_path / "run", references, cache_dir, FAULTS, "debug.step_delay=50ms", "debug.save_delay=100ms"
+    )
+    assert (tmp_path / "run" / "chaos" / "report.html").stat().st_size > 1000
+
+
+def test_a_scenario_with_every_data_loss_fault_kind_passes_verification(
+    tmp_path: Path, cache_dir: Path, references: Path
+) -> None:
+    # Saves every 15 steps, all kept (milestones): the replay saves the corrupted step again, and it stays.
+    saves = ("checkpoint.interval=30m", "checkpoint.every_steps=15", "checkpoint.keep_every_steps=15")
+    report = run_chaos(tmp_path / "run", references, cache_dir, NEW_FAULTS, "debug.step_delay=100ms", *saves)
+    rows = {row["fault"]: row for row in report["faults"]}
+    assert rows["hup"]["lost"] == 0
+    assert rows["second-job"].get("attempt", 0) > 0  # the main job restarted past the second job's attempt
+    corrupted = next(
+        json.loads(line)
+        for line in (tmp_path / "run" / "chaos" / "faults.jsonl").open()
+        if '"corrupt-replay"' in line and '"checkpoint_step"' in line
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert len(list((checkpoints / "rejected").glob(f"step-{corrupted['checkpoint_step']:08d}.*"))) == 1
+    replayed = json.loads(
+        (checkpoints / f"step-{corrupted['checkpoint_step']:08d}" / "manifest.json").read_text()
+    )
+    assert replayed["attempt"] > corrupted["copy_attempt"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,37 +12,7 @@ from chaos.evidence import load_config
 from chaos.verify import judge_faults, verify_run
 from elastic_qa.checkpoint.state import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
-from tests.conftest import train_tiny
-
-STEPS = 30
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    """A real, fault-free single-process run with a ledger: the evidence the tests then doctor."""
-    run_dir = tmp_path_factory.mktemp("verified") / "run"
-    train_tiny(
-        run_dir,
-        cache_dir,
-        f"train.max_steps={STEPS}",
-        "debug.sample_ledger=true",
-        "log.every_steps=1",
-        "checkpoint.every_steps=10",
-        "train.threads=1",
-    )
-    return run_dir
-
-
-@pytest.fixture
-def copy_of(finished_run: Path, tmp_path: Path):
-    def make(name: str) -> Path:
-        target = tmp_path / name
-        shutil.copytree(finished_run, target)
-        config = (target / "config.yaml").read_text().replace(str(finished_run), str(target))
-        (target / "config.yaml").write_text(config)
-        return target
-
-    return make
+from tests.chaos.conftest import STEPS
 
 
 def ledger_lines(run_dir: Path) -> tuple[Path, list[dict]]:
@@ -153,3 +122,123 @@ def test_resuming_from_a_corrupted_copy_is_caught_but_not_from_a_later_recommit(
     assert resumed_from_corrupted([resume], corrupt) == [40]
     recommit = {"event": "checkpoint_committed", "ts": 15.0, "step": 40}  # the step was replayed and saved
     assert resumed_from_corrupted([recommit, resume], corrupt) == []
+
+
+def _evidence(events: list[dict], faults: list[dict], copies=(), actions=(), ledger=()):
+    from chaos.verify import Evidence
+
+    return Evidence(events, events, faults, list(actions), list(copies), list(ledger), 30.0, 600.0, 60)
+
+
+def test_a_sighup_that_lost_a_rank_instead_of_stopping_the_group_is_caught() -> None:
+    events = _events((0.0, 2, 0, 40), (20.0, 2, 40, 60))
+    fault = [{"fault": "hup", "ts": 10.0, "step": 40}]
+    assert judge_faults(events, fault, 30, _evidence(events, fault))[0]["verdict"] == "FAIL"
+    stopping = {"event": "stopping", "ts": 10.5, "attempt": 1, "rank": 0, "step": 40}
+    graceful = sorted([*events, stopping], key=lambda e: e["ts"])
+    assert judge_faults(graceful, fault, 30, _evidence(graceful, fault))[0]["verdict"] == "ok"
+
+
+def test_a_full_log_disk_that_restarted_the_group_or_stopped_training_is_caught() -> None:
+    fault = [{"fault": "log-full", "ts": 10.0, "step": 30, "log_full_for_s": 3.0}]
+    went_on = _events((0.0, 2, 0, 60))
+    assert judge_faults(went_on, fault, 30, _evidence(went_on, fault))[0]["verdict"] == "ok"
+    restarted = _events((0.0, 2, 0, 30), (14.0, 2, 30, 60))
+    assert judge_faults(restarted, fault, 30, _evidence(restarted, fault))[0]["verdict"] == "FAIL"
+    stalled = _events((0.0, 2, 0, 30))
+    assert judge_faults(stalled, fault, 30, _evidence(stalled, fault))[0]["verdict"] == "FAIL"
+    # its step lines were dropped, but the ledger shows that the same attempt trained on
+    ledger = [{"attempt": 1, "step": step, "rank": 0} for step in range(1, 61)]
+    assert judge_faults(stalled, fault, 30, _evidence(stalled, fault, ledger=ledger))[0]["verdict"] == "ok"
+
+
+def test_final_storage_errors_that_restarted_the_job_or_left_no_final_checkpoint_are_caught() -> None:
+    from chaos.evidence import Copy
+
+    final = Copy(60, "/c/step-00000060", False, {"attempt": 1, "created_ts": 20.0}, ok=True)
+    fault = [{"fault": "final-storage-errors", "ts": 10.0, "step": 55, "fail_after_max_steps_s": 3.0}]
+    clean = _events((0.0, 2, 0, 60))
+    assert judge_faults(clean, fault, 30, _evidence(clean, fault, [final]))[0]["verdict"] == "ok"
+    assert judge_faults(clean, fault, 30, _evidence(clean, fault, []))[0]["verdict"] == "FAIL"
+    restarted = _events((0.0, 2, 0, 60), (25.0, 2, 50, 60))
+    assert judge_faults(restarted, fault, 30, _evidence(restarted, fault, [final]))[0]["verdict"] == "FAIL"
+
+
+def test_a_replay_that_loaded_the_corrupt_checkpoint_or_did_not_quarantine_it_is_caught() -> None:
+    from chaos.evidence import Copy
+    from chaos.verify import resumed_from_corrupted
+
+    fault = {"fault": "corrupt-replay", "ts": 10.0, "step": 45, "checkpoint_step": 40}
+    fault.update(copy_attempt=1, copy_created_ts=9.0)
+    commits = [
+        {"event": "checkpoint_committed", "ts": ts, "step": step, "attempt": 1}
+        for ts, step in ((5.0, 30), (9.0, 40))
+    ]
+    bad_copy = Copy(40, "/c/rejected/step-00000040.x", True, {"attempt": 1, "created_ts": 9.0}, ok=False)
+    replayed = sorted([*_events((0.0, 2, 0, 45), (20.0, 2, 30, 60)), *commits], key=lambda e: e["ts"])
+    good = judge_faults(replayed, [fault], 30, _evidence(replayed, [fault], [bad_copy]))
+    assert good[0]["verdict"] == "ok" and good[0]["lost"] == 15 == good[0]["bound"]
+    not_quarantined = judge_faults(replayed, [fault], 30, _evidence(replayed, [fault], []))
+    assert not_quarantined[0]["verdict"] == "FAIL"
+    loaded = sorted([*_events((0.0, 2, 0, 45), (20.0, 2, 40, 60)), *commits], key=lambda e: e["ts"])
+    for event in loaded:
+        event.setdefault("rank", 0)
+    assert judge_faults(loaded, [fault], 30, _evidence(loaded, [fault], [bad_copy]))[0]["verdict"] == "FAIL"
+    assert resumed_from_corrupted(loaded, [fault]) == [40]
+    stale_in_place = Copy(40, "/c/step-00000040", False, {"attempt": 1, "created_ts": 9.0}, ok=True)
+    rows = judge_faults(replayed, [fault], 30, _evidence(replayed, [fault], [bad_copy, stale_in_place]))
+    assert rows[0]["verdict"] == "FAIL"  # the copy of step 40 in place is not a newer attempt's replay
+
+
+def test_a_second_job_that_failed_other_than_by_fencing_is_caught() -> None:
+    second = {"fault": "second-job", "ts": 10.0, "step": 40, "pid": 77, "attempt": 2}
+    main = _events((0.0, 2, 0, 45), (20.0, 2, 40, 60))
+    for event in main:
+        event["attempt"] += event["attempt"] > 1  # the main job's restart registers attempt 3
+    started = {"event": "worker_start", "ts": 12.0, "attempt": 2, "pid": 77, "rank": 0, "world_size": 1}
+    fenced = {"event": "checkpoint_fenced", "ts": 22.0, "attempt": 2, "pid": 77, "rank": 0}
+    exit_1 = {"action": "second_job_exit", "pid": 77, "exit_code": 1, "ts": 23.0}
+    everything = sorted([*main, started, fenced], key=lambda e: e["ts"])
+    ev = _evidence(main, [second], actions=[exit_1])
+    ev.all_events = everything
+    assert judge_faults(main, [second], 30, ev)[0]["verdict"] == "ok"
+    ev.all_events = sorted([*main, started], key=lambda e: e["ts"])  # exit 1, never fenced: a crash
+    assert judge_faults(main, [second], 30, ev)[0]["verdict"] == "FAIL"
+
+
+def test_log_lines_cut_short_by_a_full_disk_are_read_back_as_far_as_they_are_whole(tmp_path: Path) -> None:
+    from chaos.evidence import load_events
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    whole = json.dumps({"event": "step", "step": 7, "ts": 2.0})
+    (logs / "rank-000.pid-1.jsonl").write_text(
+        json.dumps({"event": "step", "step": 6, "ts": 1.0}) + "\n"
+        '{"event": "step", "st'  # a write cut short, then the next line glued to it
+         + whole + "\n" + '{"event": "step", "step": 8, "ts"'  # the last line of a killed writer
+    )
+    assert [e["step"] for e in load_events(tmp_path)] == [6, 7]
+
+
+def test_a_fault_that_was_requested_but_never_injected_fails_the_run(copy_of) -> None:
+    run = copy_of("run")
+    (run / "chaos").mkdir()
+    (run / "chaos" / "schedule.json").write_text(json.dumps([{"kind": "kill-worker"}, {"kind": "hup"}]))
+    records = [
+        {"fault": "corrupt-checkpoint", "ts": 1.0, "step": 5, "checkpoint_step": 10},
+        {"fault": "hup", "ts": 2.0, "skipped": "the job had already ended"},
+    ]
+    (run / "chaos" / "faults.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    verdict = verify_run(run, None)
+    assert verdict.checks["faults_injected"]["detail"]["injected"] == 1
+    assert not verdict.checks["faults_injected"]["ok"] and not verdict.ok
+
+
+def test_a_storage_fault_after_which_the_group_restarted_and_lost_work_is_caught() -> None:
+    fault = [{"fault": "storage-errors", "ts": 1.0, "step": 1, "fail_for_s": 5.0}]
+    # the final save failed, the job restarted from scratch and trained all 40 steps again (seed 11)
+    events = _events((0.0, 2, 0, 40), (8.0, 2, 0, 40))
+    rows = judge_faults(events, fault, 30, _evidence(events, fault))
+    assert rows[0]["verdict"] == "FAIL" and rows[0]["lost"] == 40
+    graceful = _events((0.0, 2, 0, 20), (8.0, 2, 20, 40))  # another fault's late regroup lost nothing
+    assert judge_faults(graceful, fault, 30, _evidence(graceful, fault))[0]["verdict"] == "ok"
