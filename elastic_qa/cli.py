@@ -149,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
     p.add_argument("ckpt_command", choices=["list", "verify", "show"])
     p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
-    p = sub.add_parser("bench", help="benchmarks (see README)")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="benchmarks (see README); handled before this parser, see main()")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -165,10 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "bench":
-            from elastic_qa.bench.cli import main as bench_main
-
-            return bench_main(args.bench_args)
         if args.command == "report":
             from elastic_qa.observe.report import render_report
 

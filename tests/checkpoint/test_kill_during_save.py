@@ -2,7 +2,9 @@
 
 The writer (tests/checkpoint/kill_writer.py) saves a state of about 3 MiB again and again into a local
 directory with the real Checkpointer, resuming from the newest valid checkpoint after each restart, like a
-trainer that keeps being killed. After every kill the directory is checked as a restarted job would see it.
+trainer that keeps being killed. Each writer SIGKILLs itself at a planned point (a file write, the publish,
+the verification, the rotation's delete) of a planned save, so the kills land where they are meant to
+whatever the machine's load. After every kill the directory is checked as a restarted job would see it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from elastic_qa.checkpoint.manager import Checkpointer
@@ -25,9 +26,10 @@ KILLS = 24
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-def kill_delay(i: int) -> float:
-    """Staggered delays (10 ms to ~0.4 s after the fork) so the kills land all over startup, write, prune."""
-    return 0.01 + ((i * 0.0613) % 0.4)
+# Where each writer kills itself: (its save number, the point in that save). Every phase of a save is
+# hit several times, at writers that start with no checkpoint, with fewer than keep_last, and with more.
+POINTS = ("file-0", "file-1", "file-2", "publish", "verify", "prune")
+KILL_PLAN = [(3, "publish")] + [(1 + i % 3, POINTS[i % len(POINTS)]) for i in range(KILLS - 1)]
 
 
 def reported(progress: Path) -> list[int]:
@@ -70,15 +72,15 @@ def test_killing_the_writer_at_any_point_never_loses_or_damages_a_committed_chec
     try:
         assert zygote.stdout.readline().strip() == "ready", (tmp_path / "zygote.stderr").read_text()
         for i in range(KILLS):
-            zygote.stdin.write("fork\n")
+            save, point = KILL_PLAN[i]
+            zygote.stdin.write(f"fork {save} {point}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            time.sleep(kill_delay(i) if i else 0.4)  # the first writer gets to commit a few
-            os.kill(pid, signal.SIGKILL)
             status = int(zygote.stdout.readline().split()[1])
             pid = None  # reaped: the number may be reused
             assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
-                f"writer {i} ended on its own (status {status}):\n{(tmp_path / 'zygote.stderr').read_text()}"
+                f"writer {i} ({point} of save {save}) ended on its own (status {status}):\n"
+                + (tmp_path / "zygote.stderr").read_text()
             )
 
             steps = reported(progress)
@@ -102,3 +104,5 @@ def test_killing_the_writer_at_any_point_never_loses_or_damages_a_committed_chec
     steps = reported(progress)
     assert len(steps) >= 8, f"too few commits to mean anything: {steps}"
     assert saw_staging > 0, "no kill landed during a write"
+    hit = set((tmp_path / "kills.txt").read_text().split())
+    assert set(POINTS) <= hit, f"planned kill points never reached: {set(POINTS) - hit}"
