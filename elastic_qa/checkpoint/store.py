@@ -1,26 +1,31 @@
-"""Checkpoint commit protocol over fsspec: write aside, manifest with sha256, publish atomically, verify.
+"""Checkpoints over fsspec: layout, manifest, verification, and the commit skeleton all stores share.
 
 Layout: `<root>/step-00000420/` holding the tensor files and `manifest.json` (each file's size and sha256,
 step, epoch, world size, attempt, creation time, config hash, versions). A directory counts as a
 checkpoint only once it holds a manifest, and only as a *valid* one once every file matches it.
 
-- Local storage: files and manifest go into `<root>/.tmp-...` first, which is renamed to its final name
-  in one atomic act. Renaming onto an existing checkpoint fails, so a second writer of the same step
-  discards its copy and never touches the first.
-- Stores without rename (memory://, object stores): files are written into the final directory under
-  names unique to the writer, and `manifest.json` last. A second writer sees the manifest and stops; its
-  own files are never referenced and are removed.
+`CheckpointStore(url)` (or `open_store(url)`) opens the store at a path or URL and picks its commit
+protocol, the one thing that differs between stores:
+
+- Local storage, `RenameCommitStore` (store_rename.py): files and manifest are staged in a private
+  directory and published by one atomic rename, so a checkpoint appears complete or not at all.
+- Stores without rename (memory://, object stores), `ManifestLastStore` (store_manifest.py): files are
+  written into the final directory under writer-unique names and the manifest, one object, last: the
+  checkpoint exists from the moment that single write lands.
+
+Everything else lives here, once: naming, listing, reading and verifying manifests and files (plain names
+only, bounded reads, never through a symlink), loading, the commit skeleton (write the files, build the
+manifest, ask `may_commit`, publish), and the `_standing` rule for a step that is already committed.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import io
 import json
-import os
 import re
-import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -29,7 +34,6 @@ from typing import Any, BinaryIO
 
 import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from elastic_qa.observe.log import get_logger
 
@@ -40,13 +44,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _foreign_logged: set[str] = set()  # symlinks etc. named like step directories, warned about once each
 _STEP_DIR = re.compile(r"^step-([0-9]{8,30})$")  # 30: int() of a hostile 5000-digit name would raise
 _TMP_PREFIX = ".tmp-"
-# Staging of attempt N (`.tmp-a00000007-step-00000420-<token>`), a directory set aside by an interrupted
-# delete (`.tmp-step-00000420-deleted-<token>`), and staging named before attempts were part of the name.
-_STAGING = re.compile(
-    r"^\.tmp-(?:a(?P<attempt>\d{8,})-step-\d{8,}-[0-9a-f]{8}"
-    r"|step-\d{8,}-deleted-[0-9a-f]{8}"
-    r"|step-\d{8,}-[0-9a-f]{8})$"
-)
 REJECTED_DIR = "rejected"
 REJECTED_NOTE = "REJECTED.json"
 MANIFEST_FORMAT = 1
@@ -75,6 +72,7 @@ def step_of(name: str) -> int | None:
 
 
 def staging_dir_name(attempt: int, step: int, token: str) -> str:
+    """Where attempt `attempt` stages step `step` on local storage (see store_rename.py)."""
     return f"{_TMP_PREFIX}a{attempt:08d}-{step_dir_name(step)}-{token}"
 
 
@@ -95,11 +93,25 @@ class CheckpointInfo:
 
 
 @dataclass
-class Verdict:
+class Verification:
     ok: bool
     reason: str = ""
     manifest: dict[str, Any] | None = field(default=None)
     vanished: bool = False  # deleted while being verified (a concurrent prune): gone, not damaged
+
+
+@dataclass
+class Staging:
+    """One commit in progress: where its files go and what it has written so far."""
+
+    step: int
+    attempt: int
+    final: str  # the step directory the checkpoint will stand in
+    directory: str  # where the files are written (a private directory, or `final` itself)
+    token: str  # unique to this writer
+    written: list[str] = field(default_factory=list)  # each path before its write: a failed one counts
+    created: bool = False  # this writer created `directory`
+    manifest: bytes | None = None  # set once the manifest write has started
 
 
 def serialize(obj: Any) -> bytes:
@@ -108,8 +120,48 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-class CheckpointStore:
-    """One checkpoint directory tree (a local path or any fsspec URL)."""
+def store_class(fs: fsspec.AbstractFileSystem) -> type[CheckpointStore]:
+    """The backend for `fs`: atomic rename on local disk, manifest-last everywhere else."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from elastic_qa.checkpoint.store_manifest import ManifestLastStore
+    from elastic_qa.checkpoint.store_rename import RenameCommitStore
+
+    return RenameCommitStore if isinstance(fs, LocalFileSystem) else ManifestLastStore
+
+
+def open_store(url: str, fs: fsspec.AbstractFileSystem | None = None) -> CheckpointStore:
+    """The checkpoint store at `url` (a local path or any fsspec URL), with the backend its storage needs."""
+    if fs is None:
+        fs, _ = fsspec.core.url_to_fs(url)
+    return store_class(fs)(url, fs)
+
+
+_mixed: dict[tuple[type, type], type] = {}
+
+
+class CheckpointStore(abc.ABC):
+    """One checkpoint directory tree (a local path or any fsspec URL).
+
+    `CheckpointStore(url)` returns the backend `store_class` picks (a subclass of this class). A subclass
+    that is no backend itself (a test double overriding a method, say) gets the backend mixed in under it.
+    Backends implement the abstract methods below: how a path is looked at and opened, how files are
+    written, how a checkpoint is published, moved, detached for deletion, and what staging is cleaned.
+    """
+
+    def __new__(cls, url: str | None = None, fs: fsspec.AbstractFileSystem | None = None) -> CheckpointStore:
+        if not getattr(cls, "__abstractmethods__", None):  # a backend (or one mixed in): no choice to make
+            return super().__new__(cls)
+        if fs is None:
+            fs, _ = fsspec.core.url_to_fs(url)
+        backend = store_class(fs)
+        if cls is not CheckpointStore:
+            key = (cls, backend)
+            if key not in _mixed:
+                name = f"{cls.__name__}[{backend.__name__}]"
+                _mixed[key] = type(name, (cls, backend), {"__module__": cls.__module__, "__qualname__": name})
+            backend = _mixed[key]
+        return super().__new__(backend)
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         if fs is None:
@@ -119,8 +171,56 @@ class CheckpointStore:
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/") or "/"
-        self.atomic_rename = isinstance(fs, LocalFileSystem)
         self.log = get_logger()
+
+    # ---- what each backend implements ---------------------------------------------------------------
+    @abc.abstractmethod
+    def _kind(self, path: str) -> str:
+        """What is at `path`, never following a symlink: directory, file, link, other (FIFO, device,
+        socket) or gone."""
+
+    @abc.abstractmethod
+    def _is_link(self, path: str) -> bool:
+        """Whether `path` is a symbolic link (never read, moved or deleted through)."""
+
+    @abc.abstractmethod
+    def _open_plain(self, path: str) -> tuple[BinaryIO, int]:
+        """Open `path` for reading, and its size, only if it is a regular file: a symlink (which may lead
+        out of the checkpoint directory), FIFO (would block), device or directory is refused (ValueError)
+        before it is opened."""
+
+    @abc.abstractmethod
+    def _staging(self, step: int, attempt: int, token: str) -> Staging:
+        """Where a commit of `step` writes its files (the directory is created by the caller)."""
+
+    @abc.abstractmethod
+    def _file_name(self, logical: str, token: str) -> str:
+        """The stored name of logical file `logical` written by the writer holding `token`."""
+
+    @abc.abstractmethod
+    def _write(self, path: str, data: bytes) -> None:
+        """Write one file durably (it may exist: overwritten)."""
+
+    @abc.abstractmethod
+    def _publish(self, staging: Staging, body: bytes) -> str:
+        """Make the staged files, with manifest `body`, checkpoint `staging.step`; resolve a checkpoint
+        already standing there by `_standing`. Returns the path of the checkpoint now standing."""
+
+    @abc.abstractmethod
+    def _discard(self, staging: Staging) -> None:
+        """Remove what a failed or refused commit wrote, touching nothing any other writer wrote."""
+
+    @abc.abstractmethod
+    def _move(self, path: str, target: str) -> None:
+        """Move step directory `path` (and all it holds) to `target`."""
+
+    @abc.abstractmethod
+    def _detach(self, path: str) -> str:
+        """First act of deleting step directory `path`; returns the directory to delete from then on."""
+
+    @abc.abstractmethod
+    def clean_staging(self, attempt: int) -> list[str]:
+        """Remove what writers of attempts older than `attempt` left in flight; returns what went."""
 
     # ---- naming -------------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -128,8 +228,6 @@ class CheckpointStore:
 
     def display(self, path: str) -> str:
         """Path as the user wrote it (with the protocol for non-local stores)."""
-        if self.atomic_rename:
-            return path
         return self.fs.unstrip_protocol(path)
 
     # ---- listing ------------------------------------------------------------------------------------
@@ -177,23 +275,6 @@ class CheckpointStore:
             return True
         return info.committed and kind == "directory" and self._kind(f"{info.path}/{MANIFEST}") == "gone"
 
-    def _kind(self, path: str) -> str:
-        """What is at `path`, never following a symlink: directory, file, link, other (FIFO, device,
-        socket) or gone."""
-        if self.atomic_rename:
-            try:
-                mode = os.lstat(path).st_mode
-            except (FileNotFoundError, NotADirectoryError):
-                return "gone"
-            if stat.S_ISLNK(mode):
-                return "link"
-            return "directory" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
-        try:
-            kind = self.fs.info(path).get("type")
-        except FileNotFoundError:
-            return "gone"
-        return kind if kind in ("directory", "file") else "other"
-
     def _warn_foreign(self, path: str, kind: str) -> None:
         if path not in _foreign_logged:
             _foreign_logged.add(path)
@@ -204,7 +285,7 @@ class CheckpointStore:
         """The manifest of step directory `path`: a regular file of at most MAX_MANIFEST_BYTES holding a
         JSON object with a 'files' table. FileNotFoundError when there is none; ValueError for anything
         else that is not such a manifest (a link, a FIFO, a huge or deeply nested file, garbage)."""
-        if self.atomic_rename and self._kind(path) == "link":
+        if self._is_link(path):
             raise ValueError(f"{path} is a symbolic link, not a step directory of this store")
         handle, size = self._open_plain(f"{path}/{MANIFEST}")
         with handle:
@@ -221,7 +302,7 @@ class CheckpointStore:
             raise ValueError("manifest has no 'files' table")
         return manifest
 
-    def verify(self, path: str) -> Verdict:
+    def verify(self, path: str) -> Verification:
         """Every file in the manifest present with the recorded size and sha256.
 
         Only regular files directly inside the step directory are read, each at most its recorded size
@@ -232,27 +313,27 @@ class CheckpointStore:
             manifest = self.read_manifest(path)
         except FileNotFoundError:
             if self._kind(path) == "gone":
-                return Verdict(False, "pruned while verifying", vanished=True)
-            return Verdict(False, "manifest.json missing")
+                return Verification(False, "pruned while verifying", vanished=True)
+            return Verification(False, "manifest.json missing")
         except (OSError, ValueError) as err:
-            return Verdict(False, f"manifest.json unreadable: {err}")
+            return Verification(False, f"manifest.json unreadable: {err}")
         entries = [entry for entry in manifest["files"].values() if isinstance(entry, dict)]
         names = [entry["name"] for entry in entries if isinstance(entry.get("name"), str)]
         if len(set(names)) != len(names):  # each file hashed once: not 1000 times one 10 GB file
-            return Verdict(False, "manifest.json names a file more than once", manifest)
+            return Verification(False, "manifest.json names a file more than once", manifest)
         for logical, entry in manifest["files"].items():
             label = self._shown(logical)
             try:
                 self._read_entry(path, entry, keep=False)
             except FileNotFoundError:
                 if self._replaced(path, manifest):
-                    return Verdict(False, "pruned while verifying", manifest, vanished=True)
-                return Verdict(False, f"{label}: file {self._shown(entry['name'])} missing", manifest)
+                    return Verification(False, "pruned while verifying", manifest, vanished=True)
+                return Verification(False, f"{label}: file {self._shown(entry['name'])} missing", manifest)
             except ValueError as err:
-                return Verdict(False, f"{label}: {err}", manifest)
+                return Verification(False, f"{label}: {err}", manifest)
             except OSError as err:
-                return Verdict(False, f"{label}: unreadable ({err})", manifest)
-        return Verdict(True, "", manifest)
+                return Verification(False, f"{label}: unreadable ({err})", manifest)
+        return Verification(True, "", manifest)
 
     def load_file(self, path: str, manifest: Mapping[str, Any], logical: str) -> Any:
         """Load one tensor file with weights_only=True (never runs code from the file).
@@ -306,32 +387,6 @@ class CheckpointStore:
             raise ValueError("sha256 mismatch")
         return data
 
-    def _open_plain(self, path: str) -> tuple[BinaryIO, int]:
-        """Open `path` for reading, and its size, only if it is a regular file: a symlink (which may lead
-        out of the checkpoint directory), FIFO (would block), device or directory is refused (ValueError)
-        before it is opened."""
-        if not self.atomic_rename:
-            info = self.fs.info(path)
-            if info.get("type") != "file" or type(info.get("size")) is not int:
-                raise ValueError(f"{path.rsplit('/', 1)[-1]} is not a regular file ({info.get('type')})")
-            return self.fs.open(path, "rb"), info["size"]
-        before = os.lstat(path)
-        if not stat.S_ISREG(before.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(before.st_mode) else "not a regular file"
-            raise ValueError(f"{path.rsplit('/', 1)[-1]} is {kind}")
-        # O_NOFOLLOW and O_NONBLOCK: should it be swapped for a link or a FIFO after the look, the open
-        # fails or returns at once instead of following or blocking; fstat then catches the swap.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            after = os.fstat(fd)
-            same = (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
-            if not stat.S_ISREG(after.st_mode) or not same:
-                raise ValueError(f"{path.rsplit('/', 1)[-1]} was replaced while being opened")
-            return os.fdopen(fd, "rb"), after.st_size
-        except BaseException:
-            os.close(fd)
-            raise
-
     def _replaced(self, path: str, manifest: dict[str, Any]) -> bool:
         """Whether step directory `path` no longer holds `manifest` (deleted, or re-committed)."""
         try:
@@ -368,22 +423,16 @@ class CheckpointStore:
         On any error the partial write is removed and the error propagates; nothing else is touched.
         """
         attempt = int(manifest_fields.get("attempt", 0))
-        final = self.path(step_dir_name(step))
-        token = uuid.uuid4().hex[:8]
-        staging = self.path(staging_dir_name(attempt, step, token)) if self.atomic_rename else final
-        entries = {}
-        written: list[str] = []
-        manifest_started = False
-        # Stores without rename write into the final directory: remove it again on failure when this
-        # writer created it and it is left empty (never recursively: another writer may be writing there).
-        created = not self.atomic_rename and not self.fs.exists(staging)
+        staging = self._staging(step, attempt, uuid.uuid4().hex[:8])
         try:
-            self.fs.makedirs(staging, exist_ok=True)
+            self.fs.makedirs(staging.directory, exist_ok=True)
+            entries = {}
             for logical, data in files.items():
-                name = logical if self.atomic_rename else f"{logical.rsplit('.', 1)[0]}.{token}.pt"
-                written.append(f"{staging}/{name}")  # before writing: a failed write can leave a part
+                name = self._file_name(logical, staging.token)
+                target = f"{staging.directory}/{name}"
+                staging.written.append(target)  # before writing: a failed write can leave a part
                 before_file(name)
-                self._write(f"{staging}/{name}", data)
+                self._write(target, data)
                 entries[logical] = {
                     "name": name,
                     "size": len(data),
@@ -399,20 +448,9 @@ class CheckpointStore:
             }
             body = json.dumps(manifest, indent=1, sort_keys=True).encode()
             may_commit()
-            if self.atomic_rename:
-                self._write(f"{staging}/{MANIFEST}", body)
-                return self._publish_by_rename(staging, final, attempt)
-            manifest_started = True
-            return self._publish_manifest_last(final, body, written, attempt)
+            return self._publish(staging, body)
         except BaseException:
-            if self.atomic_rename:
-                self._remove_tree_quietly(staging)
-            else:
-                if manifest_started:  # a manifest cut short would make the step look committed
-                    self._remove_own_manifest(f"{final}/{MANIFEST}", body)
-                self._remove_quietly(written)
-                if created:
-                    self._remove_quietly([staging])  # non-recursive: fails unless empty
+            self._discard(staging)
             raise
 
     def _standing(self, final: str, attempt: int) -> str:
@@ -429,94 +467,17 @@ class CheckpointStore:
             return "keep"
         return "replace"
 
-    def _publish_by_rename(self, staging: str, final: str, attempt: int) -> str:
-        if os.path.islink(final):
-            raise CheckpointError(f"{final} is a symbolic link, not a checkpoint of this store")
-        for _ in range(3):  # a peer may publish or move the same step between our look and our rename
-            try:
-                os.rename(staging, final)
-                break
-            except OSError:
-                if not os.path.lexists(final):
-                    continue
-                if self._standing(final, attempt) == "keep":
-                    self._remove_tree_quietly(staging)
-                    return final
-                self._set_aside(final, f"superseded by attempt {attempt}")
-        else:
-            raise CheckpointError(f"could not publish {staging} as {final}: it keeps changing")
-        directory = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself must survive a power cut
-        finally:
-            os.close(directory)
-        return final
-
-    def _publish_manifest_last(self, final: str, body: bytes, written: list[str], attempt: int) -> str:
-        """Stores without rename: the manifest, created last, is the commit."""
-        manifest_path = f"{final}/{MANIFEST}"
-        try:
-            self._create(manifest_path, body)
-            return final
-        except FileExistsError:
-            pass
-        if self._standing(final, attempt) == "keep":
-            self._remove_quietly(written)
-            return final
-        # Supersede: keep the old manifest for forensics, overwrite it with ours (one object write is
-        # atomic on object stores), then delete the files only the old manifest referenced.
-        try:
-            old = self.read_manifest(final)
-        except (OSError, ValueError, TypeError):
-            old = {"files": {}}
-        self._keep_rejected_manifest(final, f"superseded by attempt {attempt}")
-        self.fs.pipe_file(manifest_path, body)
-        ours = {path.rsplit("/", 1)[-1] for path in written}
-        stale = [
-            f"{final}/{entry['name']}"
-            for entry in old.get("files", {}).values()
-            if isinstance(entry, dict) and is_plain_name(entry.get("name")) and entry["name"] not in ours
-        ]
-        self._remove_quietly(stale)
-        return final
-
-    def _write(self, path: str, data: bytes) -> None:
-        if self.atomic_rename:
-            with open(path, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        else:
-            self.fs.pipe_file(path, data)
-
-    def _create(self, path: str, data: bytes) -> None:
-        """Write a file that must not exist yet (FileExistsError): atomically where the store can."""
-        try:
-            self.fs.pipe_file(path, data, mode="create")
-        except TypeError:  # fsspec before 2024.12: pipe_file has no mode; check, then write
-            if self.fs.exists(path):
-                raise FileExistsError(path) from None
-            self.fs.pipe_file(path, data)
-
     # ---- removing -----------------------------------------------------------------------------------
     def remove(self, path: str) -> None:
         """Delete a checkpoint: its manifest first, so a half-deleted directory is never 'committed'.
 
-        Local storage first renames the directory aside, in one atomic act: a crash mid-delete then leaves
-        a temporary directory (removed by clean_staging), never a step directory without a manifest.
-        Only a real step directory directly under the root is deleted, never anything through a link:
-        anything else raises CheckpointError (a symlinked step directory may be another run's checkpoint).
+        The backend acts first (`_detach`: local storage renames the directory aside in one atomic act, so
+        a crash mid-delete leaves a temporary directory for clean_staging, never a step directory without
+        a manifest). Only a real step directory directly under the root is deleted, never anything through
+        a link: anything else raises CheckpointError (a symlinked step directory may be another run's).
         """
         self._check_removable(path)
-        if self.atomic_rename:
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            aside = self.path(f"{_TMP_PREFIX}{name}-deleted-{uuid.uuid4().hex[:8]}")
-            os.rename(path, aside)
-            if self._kind(aside) != "directory":  # swapped for a link between the look and the rename
-                with contextlib.suppress(OSError):
-                    os.rename(aside, path)
-                raise CheckpointError(f"{path} changed into a {self._kind(path)} while being removed")
-            path = aside
+        path = self._detach(path)
         manifest = f"{path}/{MANIFEST}"
         kind = self._kind(manifest)
         if kind != "gone":  # a link is removed itself, never what it points to
@@ -533,78 +494,27 @@ class CheckpointStore:
         if kind != "directory":
             raise CheckpointError(f"{path} is a {kind}, not a checkpoint directory: not removed")
 
-    def clean_staging(self, attempt: int) -> list[str]:
-        """Remove what writers of attempts older than `attempt` left in flight: their staging directories
-        (they can never commit: fencing) and directories set aside by an interrupted delete.
-
-        Only entries named exactly as this module names them, and only real directories (never a link) are
-        touched: anything else in the checkpoint directory is not ours to delete.
-        """
-        removed: list[str] = []
-        if not self.atomic_rename:
-            return removed
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return removed
-        for name in names:
-            match = _STAGING.match(name)
-            if not match or (match.group("attempt") is not None and int(match.group("attempt")) >= attempt):
-                continue
-            path = os.path.join(self.root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                self._remove_tree_quietly(path)
-                removed.append(path)
-        return removed
-
     def quarantine(self, path: str, reason: str) -> str:
         """Move a rejected checkpoint to `rejected/` with a note of why: kept for forensics, never listed,
         loaded, counted by rotation or pruned. Returns where it went."""
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        if self.atomic_rename and os.path.islink(path):
+        if self._is_link(path):
             raise CheckpointError(f"{path} is a symbolic link, not a checkpoint of this store")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target = self.path(REJECTED_DIR, f"{name}.{stamp}.{uuid.uuid4().hex[:8]}")
         self.fs.makedirs(self.path(REJECTED_DIR), exist_ok=True)
-        if self.atomic_rename:
-            os.rename(path, target)
-        else:
-            self.fs.mv(path, target, recursive=True)
-        note = {"original": name, "reason": reason, "time": time.time()}
-        with contextlib.suppress(OSError):  # the move is what matters; the note is a courtesy
-            self.fs.pipe_file(f"{target}/{REJECTED_NOTE}", json.dumps(note, indent=1).encode())
+        self._move(path, target)
+        self._note_rejected(target, name, reason)
         return target
 
-    def _set_aside(self, final: str, reason: str) -> None:
-        """Clear a step directory for a new commit: quarantine a checkpoint, delete mere remains."""
-        try:
-            self.read_manifest(final)
-        except FileNotFoundError:
-            self._remove_tree_quietly(final)
-            return
-        except (OSError, ValueError, TypeError):
-            pass
-        with contextlib.suppress(FileNotFoundError):  # a peer may have moved it first
-            self.quarantine(final, reason)
-
-    def _keep_rejected_manifest(self, final: str, reason: str) -> None:
-        name = final.rstrip("/").rsplit("/", 1)[-1]
-        target = self.path(REJECTED_DIR, f"{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-        with contextlib.suppress(OSError):
-            self.fs.makedirs(target, exist_ok=True)
-            self.fs.pipe_file(f"{target}/{MANIFEST}", self.fs.cat_file(f"{final}/{MANIFEST}"))
-            note = {"original": name, "reason": reason, "time": time.time()}
+    def _note_rejected(self, target: str, name: str, reason: str) -> None:
+        note = {"original": name, "reason": reason, "time": time.time()}
+        with contextlib.suppress(OSError):  # the move is what matters; the note is a courtesy
             self.fs.pipe_file(f"{target}/{REJECTED_NOTE}", json.dumps(note, indent=1).encode())
 
     def _remove_quietly(self, paths: list[str]) -> None:
         for path in paths:
             with contextlib.suppress(OSError):
-                self.fs.rm(path)
-
-    def _remove_own_manifest(self, path: str, body: bytes) -> None:
-        """Remove what this writer's failed manifest write left; another writer's manifest differs."""
-        with contextlib.suppress(OSError):
-            if body.startswith(self.fs.cat_file(path)):
                 self.fs.rm(path)
 
     def _remove_tree_quietly(self, path: str) -> None:

@@ -19,9 +19,12 @@ from elastic_qa.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     StaleWriterError,
+    open_store,
     staging_dir_name,
     step_dir_name,
 )
+from elastic_qa.checkpoint.store_manifest import ManifestLastStore
+from elastic_qa.checkpoint.store_rename import RenameCommitStore
 from tests.checkpoint.faulty_fs import faults
 from tests.checkpoint.helpers import (
     TouchOnUnpickle,
@@ -40,6 +43,24 @@ from tests.checkpoint.helpers import (
 )
 
 FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+
+
+def test_checkpoint_store_picks_rename_for_local_paths_and_manifest_last_elsewhere(tmp_path) -> None:
+    for url in (str(tmp_path / "ckpt"), f"file://{tmp_path}/ckpt"):
+        assert type(CheckpointStore(url)) is RenameCommitStore
+        assert type(open_store(url)) is RenameCommitStore
+    for url in ("memory://ckpt-kind", "faulty://ckpt-kind"):
+        assert type(CheckpointStore(url)) is ManifestLastStore
+        assert type(open_store(url)) is ManifestLastStore
+    local = CheckpointStore(str(tmp_path / "ckpt"))
+    assert type(CheckpointStore(local.path("sub"), local.fs)) is RenameCommitStore  # an fs given is used
+
+    class Spy(CheckpointStore):  # a subclass that is no backend gets the right one mixed in under it
+        pass
+
+    assert isinstance(Spy(str(tmp_path / "ckpt")), RenameCommitStore)
+    assert isinstance(Spy("memory://ckpt-kind"), ManifestLastStore)
+    assert isinstance(Spy("memory://ckpt-kind"), Spy)
 
 
 def test_a_committed_checkpoint_is_listed_verified_and_loaded(store: CheckpointStore) -> None:
