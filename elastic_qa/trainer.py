@@ -13,16 +13,14 @@ are in elastic/control.py; what a checkpoint holds in state.py; how it is saved 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
@@ -227,7 +225,7 @@ class Trainer:
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
-        self._debug_hooks(step)
+        debug.after_step(cfg, self.ctx.rank, step)
 
     def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
         state = self.state
@@ -255,18 +253,6 @@ class Trainer:
         self.console.progress(state.step, loss, rate)
         if self.scalars:
             self.scalars.add(state.step, loss=local_loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate)
-
-    def _debug_hooks(self, step: int) -> None:
-        debug = self.cfg.debug
-        if debug.step_delay.total_seconds() > 0:
-            time.sleep(debug.step_delay.total_seconds())
-        if debug.kill_at_step == step and debug.kill_rank == self.ctx.rank:
-            marker = Path(self.cfg.run.dir) / "debug" / f"killed-step-{step}-rank-{self.ctx.rank}"
-            if not marker.exists():  # once per run, however often the step is replayed
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-                self.log.warning("debug_kill", step=step)
-                os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- evaluation and the end ---------------------------------------------------------------------
     def run_eval(self) -> dict[str, float] | None:

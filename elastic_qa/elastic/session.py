@@ -13,14 +13,12 @@ once it is committed and verified).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.state import rng_state, versions
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
 from elastic_qa.config import Config
+from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.fencing import Fence
 from elastic_qa.observe.log import get_logger, update_identity
@@ -283,17 +282,3 @@ class CheckpointSession:
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
-    """Debug fault injection before each checkpoint file write: a delay, and ENOSPC while a flag exists."""
-    delay = cfg.debug.save_delay.total_seconds()
-    flag = Path(cfg.debug.storage_fault_file) if cfg.debug.storage_fault_file else None
-
-    def before_file(name: str) -> None:
-        if delay:
-            time.sleep(delay)
-        if flag is not None and flag.exists():
-            raise OSError(errno.ENOSPC, f"injected storage fault ({flag} exists)", name)
-
-    return before_file

@@ -1,0 +1,42 @@
+"""Fault injection for tests and chaos runs (`debug.*` settings): every hook in one place, off by default."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from elastic_qa.config import Config
+from elastic_qa.observe.log import get_logger
+
+
+def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
+    """Before each checkpoint file write: a delay, and ENOSPC while `debug.storage_fault_file` exists."""
+    delay = cfg.debug.save_delay.total_seconds()
+    flag = Path(cfg.debug.storage_fault_file) if cfg.debug.storage_fault_file else None
+
+    def before_file(name: str) -> None:
+        if delay:
+            time.sleep(delay)
+        if flag is not None and flag.exists():
+            raise OSError(errno.ENOSPC, f"injected storage fault ({flag} exists)", name)
+
+    return before_file
+
+
+def after_step(cfg: Config, rank: int, step: int) -> None:
+    """After each step: `debug.step_delay`, and SIGKILL at `debug.kill_at_step` (once per run, however
+    often the step is replayed: a marker file under the run directory remembers)."""
+    debug = cfg.debug
+    if debug.step_delay.total_seconds() > 0:
+        time.sleep(debug.step_delay.total_seconds())
+    if debug.kill_at_step == step and debug.kill_rank == rank:
+        marker = Path(cfg.run.dir) / "debug" / f"killed-step-{step}-rank-{rank}"
+        if not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            get_logger().warning("debug_kill", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
