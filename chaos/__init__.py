@@ -1,1 +1,4 @@
-"""Chaos tooling: break a real job on this host, then verify from evidence that nothing was lost."""
+"""`python -m chaos` in a checkout: a shim for `elastic-qa chaos` (the code is elastic_qa.chaos).
+
+Not packaged: an installed wheel must not claim the generic top-level name `chaos`.
+"""

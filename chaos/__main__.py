@@ -1,5 +1,7 @@
+"""`python -m chaos ...` from a checkout's root: the same as `elastic-qa chaos ...`."""
+
 import sys
 
-from chaos.cli import main
+from elastic_qa.chaos.cli import main
 
 sys.exit(main())

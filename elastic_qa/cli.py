@@ -5,9 +5,11 @@
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
     elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
     elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
+    elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR
 
-Training itself is `python -m elastic_qa.train` under torchrun (see launch/local.sh).
+Training itself is `python -m elastic_qa.train` under torchrun: `python -m elastic_qa.launcher.local`
+(launch/local.sh in a checkout) starts the agents.
 Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 """
 
@@ -150,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt_command", choices=["list", "verify", "show"])
     p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
     sub.add_parser("bench", help="benchmarks (see README); handled before this parser, see main()")
+    sub.add_parser("chaos", help="fault injection and its verdict; handled before this parser, see main()")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -162,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastic_qa.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["chaos"]:  # likewise: `elastic-qa chaos run --help`
+        from elastic_qa.chaos.cli import main as chaos_main
+
+        return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "report":

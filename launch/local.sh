@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Elastic torchrun agents on this host. `launch/local.sh --help` for the commands.
+# Elastic torchrun agents on this host, from a checkout: `python -m elastic_qa.launcher.local` with the
+# checkout's .venv (else python3, or $PYTHON) and the checkout's code first on PYTHONPATH.
+# `launch/local.sh --help` for the commands.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 [ -x "$here/../.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && python="$here/../.venv/bin/python"
-exec "$python" "$here/local.py" "$@"
+export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
+exec "$python" -m elastic_qa.launcher.local "$@"

@@ -6,7 +6,6 @@ listening TCP sockets of every process of the job from /proc (passive: nothing c
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import stat
@@ -17,10 +16,11 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from chaos.job import Job, children
+from elastic_qa.chaos.job import Job
+from elastic_qa.launcher.loopback import LoopbackTCPStore
+from elastic_qa.launcher.processes import children
 from tests.conftest import tiny_overrides
 
-REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "::1"}
 TCP_LISTEN = "0A"
 needs_proc = pytest.mark.skipif(
@@ -81,21 +81,11 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def load_loopback_module():
-    """launch/ is a folder of scripts, not a package: load launch/loopback.py by its path."""
-    path = REPO / "launch" / "loopback.py"
-    spec = importlib.util.spec_from_file_location("launch_loopback", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_proc
 def test_a_store_server_asked_for_on_127_0_0_1_listens_there_only_and_serves_its_clients() -> None:
-    loopback = load_loopback_module()
-    server = loopback.LoopbackTCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
+    server = LoopbackTCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
     # A second server on the same port in this process: torch's multi-tenancy shares the first one.
-    tenant = loopback.LoopbackTCPStore("127.0.0.1", server.port, is_master=True, multi_tenant=True)
+    tenant = LoopbackTCPStore("127.0.0.1", server.port, is_master=True, multi_tenant=True)
     client = TCPStore("127.0.0.1", server.port, is_master=False)
     client.set("key", "value")
     assert server.get("key") == b"value" and tenant.get("key") == b"value"
@@ -180,10 +170,10 @@ def test_the_launcher_creates_a_private_runs_directory_and_agent_logs_owner_only
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    launcher = REPO / "launch" / "local.py"
     command = [
         sys.executable,
-        str(launcher),
+        "-m",
+        "elastic_qa.launcher.local",
         "start",
         "--agents",
         "1",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chaos.evidence import load_events
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore
+from elastic_qa.observe.follow import read_events
 from tests.conftest import tiny_overrides
 
 STEPS = 40
@@ -78,7 +78,7 @@ def test_a_replay_across_a_rejected_checkpoint_commits_its_own_final_state(
     result = train(run, cache_dir, "checkpoint.every_steps=10")
 
     assert result.returncode == 0, result.stderr[-2000:]
-    resumes = [e for e in load_events(run) if e["event"] == "resume"]
+    resumes = [e for e in read_events(run) if e["event"] == "resume"]
     assert [r["step"] for r in resumes] == [30]
     assert manifest(run, STEPS)["attempt"] == 2
     final = model_weights(run, STEPS)
@@ -142,7 +142,7 @@ def test_a_final_save_that_storage_refuses_is_not_done_and_exits_nonzero(
 
     assert result.returncode == 1
     assert "final state could not be committed" in result.stderr
-    events = load_events(tmp_path / "run")
+    events = read_events(tmp_path / "run")
     assert not [e for e in events if e["event"] == "train_done"]
     assert [e["step"] for e in events if e["event"] == "checkpoint_lost"] == [12]
 
@@ -161,7 +161,7 @@ def test_a_final_save_retries_until_storage_is_back(tmp_path: Path, cache_dir: P
     def heal_after_the_first_failed_final_save() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if any(e["event"] == "checkpoint_failed" for e in load_events(run)):
+            if any(e["event"] == "checkpoint_failed" for e in read_events(run)):
                 time.sleep(1.0)
                 flag.unlink()
                 return
@@ -173,7 +173,7 @@ def test_a_final_save_retries_until_storage_is_back(tmp_path: Path, cache_dir: P
     healer.join()
 
     assert process.returncode == 0, stderr[-2000:]
-    events = load_events(run)
+    events = read_events(run)
     assert [e["step"] for e in events if e["event"] == "checkpoint_failed"][:1] == [12]
     assert [e["step"] for e in events if e["event"] == "checkpoint_committed"] == [12]
     assert store_of(run).verify(store_of(run).path("step-00000012")).ok
@@ -234,7 +234,7 @@ def test_two_jobs_on_one_run_never_both_claim_done_without_their_final_state(
         p.communicate()
 
     assert 0 in codes and set(codes) <= {0, 1}
-    events = load_events(tmp_path)
+    events = read_events(tmp_path)
     final = manifest(tmp_path, STEPS)
     assert store_of(tmp_path).verify(store_of(tmp_path).path(f"step-{STEPS:08d}")).ok
     for done in (e for e in events if e["event"] == "train_done"):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from chaos.evidence import final_parameters, load_events, parameter_difference
+from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import load_config, packaged_config
+from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
 from tests.conftest import tiny_overrides
 
@@ -52,7 +53,7 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(
     # SIGKILL after step 25; the newest periodic checkpoint is step 20, so steps 21-25 are replayed.
     train(tmp_path, cache_dir, "checkpoint.every_steps=10", "debug.kill_at_step=25", expect=-signal.SIGKILL)
     train(tmp_path, cache_dir, "checkpoint.every_steps=10")
-    resumes = [e for e in load_events(tmp_path) if e["event"] == "resume"]
+    resumes = [e for e in read_events(tmp_path) if e["event"] == "resume"]
     assert [r["step"] for r in resumes] == [20]
     assert resumes[0]["cursor"] == 20 * 16
     diff = parameter_difference(final_params(tmp_path, cache_dir), uninterrupted)
@@ -76,7 +77,7 @@ def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
     process.send_signal(signal.SIGTERM)
     # A single process (no torchrun agent to regroup) exits as a shell expects of a SIGTERMed program.
     assert process.wait(timeout=60) == 128 + signal.SIGTERM, process.stderr.read()[-2000:]
-    events = load_events(tmp_path)
+    events = read_events(tmp_path)
     last_step = max(e["step"] for e in events if e["event"] == "step")
     saved = [e for e in events if e["event"] == "checkpoint_committed"]
     assert [e["reason"] for e in saved] == ["sigterm"] and saved[0]["step"] == last_step  # 0 lost steps
@@ -94,7 +95,7 @@ def test_timed_rotation_keeps_the_last_three_plus_milestones(tmp_path: Path, cac
         "debug.step_delay=150ms",
         "checkpoint.async=true",
     )
-    events = load_events(tmp_path)
+    events = read_events(tmp_path)
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     assert len(committed) >= 5  # ~6 s of training with a 1 s timer
     store = CheckpointStore(str(tmp_path / "checkpoints"))

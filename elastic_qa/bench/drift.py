@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from chaos.evidence import parameter_difference
 from elastic_qa.bench.common import (
     UsageError,
     add_config_arguments,
@@ -23,6 +22,7 @@ from elastic_qa.bench.common import (
     positive_int,
 )
 from elastic_qa.bench.runs import bench_config, run_logged, torchrun, worker_env
+from elastic_qa.chaos.evidence import parameter_difference
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig

@@ -1,6 +1,6 @@
 """recovery: seconds from a kill to the first completed step of the new worker group.
 
-Two agents through launch/local.py (the product's rendezvous settings), then either a worker kill (SIGKILL
+Two agents through the local launcher (the product's rendezvous settings), then either a worker kill (SIGKILL
 one worker of the non-host agent) or a node loss (SIGKILL that agent and its workers at once). The same
 kills hit a bare baseline: elastic_qa/bench/trivial_worker.py launched by the same launcher and agents
 (`--module`), which has nothing to load or restore. Recovery = ts of the first `step` event written by a
@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from chaos.job import LAUNCHER, Job
 from elastic_qa.bench.common import (
     BenchError,
     add_config_arguments,
@@ -41,6 +39,8 @@ from elastic_qa.bench.common import (
     summary,
 )
 from elastic_qa.bench.runs import bench_config
+from elastic_qa.chaos.job import Job
+from elastic_qa.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S
 from elastic_qa.observe.follow import LogFollower
 
 GOAL = 1.5
@@ -68,12 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def heartbeat_interval() -> float:
-    """keep_alive_interval of the launcher's rendezvous settings (the grid dead nodes are detected on)."""
-    match = re.search(r"keep_alive_interval=(\d+(?:\.\d+)?)", LAUNCHER.read_text())
-    return float(match.group(1)) if match else 5.0  # torch's default
-
-
 def wait_for_phase(started: float, phase: float, interval: float) -> None:
     """Sleep until started + SETTLE_S + phase + k * interval, the first such time not yet past."""
     kill_at = started + SETTLE_S + phase
@@ -91,7 +85,7 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         job.start()
         started = min(agent["started"] for agent in job.agents())
         job.wait_for_step(args.kill_after, args.timeout)
-        wait_for_phase(started, phase, heartbeat_interval())
+        wait_for_phase(started, phase, KEEP_ALIVE_INTERVAL_S)
         before = {row["pid"] for row in follower.new_events() if "pid" in row}
         victim = next((a for a in job.live_agents() if not a["is_host"]), None)
         workers = job.workers(victim) if victim else []
@@ -137,7 +131,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for rep, (case, variant) in alternate(args.reps, pairs):
         print(f"[recovery] rep {rep + 1}/{args.reps}: {case} kill, {variant} ...", flush=True)
         run_dir = work / f"{case}-{variant}-{rep}"
-        phase = heartbeat_interval() * (rep + 0.5) / args.reps  # stratified; product and bare alike
+        phase = KEEP_ALIVE_INTERVAL_S * (rep + 0.5) / args.reps  # stratified; product and bare alike
         figures[case, variant].append(measure(variant, case, args, run_dir, phase))
     cases: dict[str, Any] = {}
     for case in args.cases:
@@ -177,7 +171,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "overrides": args.overrides,
             "agents": 2,
             "kill_after_steps": args.kill_after,
-            "heartbeat_interval_s": heartbeat_interval(),
+            "heartbeat_interval_s": float(KEEP_ALIVE_INTERVAL_S),
             "reps": args.reps,
         },
         "cases": cases,

@@ -1,7 +1,7 @@
 """The recovery benchmark's baseline: the least a torchrun worker can do, restarted by the same agents.
 
-    python launch/local.py start --agents 2 --module elastic_qa.bench.trivial_worker --config tiny \\
-        run.dir=DIR
+    python -m elastic_qa.launcher.local start --agents 2 --module elastic_qa.bench.trivial_worker \\
+        --config tiny run.dir=DIR
 
 It takes the product's command line (--config and overrides; only run.dir and dist.timeout are used), joins
 the process group (gloo) and loops: all-reduce a small tensor, sleep a little, append a JSON line (event

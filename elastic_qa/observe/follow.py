@@ -1,4 +1,12 @@
-"""Follow a run's JSON logs as they grow: each call returns only the lines appended since the last."""
+"""Reading a run's JSON logs, all at once or as they grow: the one log reader of the launcher, the chaos
+tooling, the benchmarks and the tests.
+
+Log lines are evidence that may be damaged. While the disk is full (the chaos `log-full` fault) a
+worker's log writes fail and are dropped, and a write cut short leaves a torn line that the next write
+continues. The reader keeps every line it can parse: a torn line gives its complete tail, a last line
+still being written (or cut short by a killed writer) is left until its newline arrives, and lines that
+are not JSON objects with an `event` are skipped.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,39 @@ from pathlib import Path
 from typing import Any
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every JSON log line of a run, in time order (torn lines of a killed writer or full disk skipped)."""
-    follower = LogFollower(Path(run_dir) / "logs")
+def parse_log_line(line: bytes | str) -> dict[str, Any] | None:
+    """One JSON log line, or None. A write cut short leaves a torn line that the next write continues:
+    the complete line is then the tail that starts at one of its `{"`."""
+    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    start = 0
+    while start >= 0:
+        try:
+            row = json.loads(text[start:])
+        except ValueError:
+            start = text.find('{"', start + 1)
+            continue
+        return row if isinstance(row, dict) else None
+    return None
+
+
+def read_events(run_dir: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
+    """Every log event of a run that can be read, in time order: from <run_dir>/logs/, of the files that
+    match `pattern` (one per process: rank-<r>.pid-<pid>.jsonl)."""
+    follower = LogFollower(Path(run_dir) / "logs", pattern)
     return sorted(follower.new_events(), key=lambda row: row.get("ts", 0.0))
 
 
 class LogFollower:
-    def __init__(self, log_dir: Path) -> None:
+    """Follows the log files of a directory: each call returns only the events appended since the last."""
+
+    def __init__(self, log_dir: Path, pattern: str = "*.jsonl") -> None:
         self.log_dir = Path(log_dir)
+        self.pattern = pattern
         self._offsets: dict[Path, int] = {}
 
     def new_events(self) -> list[dict[str, Any]]:
         rows = []
-        for path in sorted(self.log_dir.glob("*.jsonl")):
+        for path in sorted(self.log_dir.glob(self.pattern)):
             offset = self._offsets.get(path, 0)
             with open(path, "rb") as handle:
                 handle.seek(offset)
@@ -28,11 +55,8 @@ class LogFollower:
             complete = chunk.rfind(b"\n") + 1  # a line still being written is read next time
             self._offsets[path] = offset + complete
             for line in chunk[:complete].splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:  # a torn line: not JSON, or cut inside a UTF-8 sequence
-                    continue
-                if isinstance(row, dict):
+                row = parse_log_line(line)
+                if row is not None and "event" in row:
                     rows.append(row)
         return rows
 

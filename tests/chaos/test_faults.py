@@ -1,11 +1,10 @@
-"""Fault plumbing that needs no job: flag windows that overlap, and torn log lines."""
+"""Fault plumbing that needs no job: flag windows that overlap."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from chaos.faults import FlagFile
-from chaos.job import parse_log_line
+from elastic_qa.chaos.faults import FlagFile
 
 
 def test_a_flag_stays_while_any_of_its_overlapping_windows_is_open(tmp_path: Path) -> None:
@@ -25,9 +24,3 @@ def test_closing_everything_at_the_end_of_a_run_removes_the_flag(tmp_path: Path)
     flag.open("log-full")
     flag.close_all("the run is over")
     assert not flag.path.exists()
-
-
-def test_a_torn_log_line_gives_the_whole_line_that_follows_it() -> None:
-    assert parse_log_line(b'{"event": "st{"event": "step", "step": 3}') == {"event": "step", "step": 3}
-    assert parse_log_line(b'{"event": "step", "step"') is None
-    assert parse_log_line(b"[1, 2]") is None

@@ -6,9 +6,9 @@ import json
 import shutil
 import time
 
-from chaos.evidence import Copy
-from chaos.history import check_claims, check_fencing, check_nothing_lost, done_claims
-from chaos.verify import verify_run
+from elastic_qa.chaos.evidence import Copy
+from elastic_qa.chaos.history import check_claims, check_fencing, check_nothing_lost, done_claims
+from elastic_qa.chaos.verify import verify_run
 from tests.chaos.conftest import STEPS
 
 MAIN, SECOND = 100, 200  # pids

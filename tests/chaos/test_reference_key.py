@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chaos import runner
+from elastic_qa.chaos import runner
 
 
 def test_where_a_run_is_observed_does_not_change_its_reference() -> None:

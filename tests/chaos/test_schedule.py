@@ -7,7 +7,16 @@ import sys
 
 import pytest
 
-from chaos.schedule import FINAL, KINDS, Fault, fit_job, parse_fault, random_schedule, slices, validate
+from elastic_qa.chaos.schedule import (
+    FINAL,
+    KINDS,
+    Fault,
+    fit_job,
+    parse_fault,
+    random_schedule,
+    slices,
+    validate,
+)
 from elastic_qa.config import load_config, packaged_config
 
 NODE_DELTA = {"kill-node": -1, "term-node": -1, "join-node": 1}

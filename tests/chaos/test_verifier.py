@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from chaos.evidence import load_config
-from chaos.verify import judge_faults, verify_run
+from elastic_qa.chaos.evidence import run_config
+from elastic_qa.chaos.verify import judge_faults, verify_run
 from elastic_qa.checkpoint.state import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
+from elastic_qa.observe.follow import read_events
 from tests.chaos.conftest import STEPS
 
 
@@ -63,7 +64,7 @@ def test_a_corrupt_retained_checkpoint_is_caught(copy_of) -> None:
 
 def test_a_final_model_that_differs_is_caught(copy_of) -> None:
     run, reference = copy_of("run"), copy_of("reference")
-    cfg = load_config(reference)
+    cfg = run_config(reference)
     store = CheckpointStore(cfg.checkpoint_dir)
     final = Path(store.path(f"step-{STEPS:08d}"))
     files = {name: (final / name).read_bytes() for name in ("model.pt", "optimizer.pt", "trainer.pt")}
@@ -115,7 +116,7 @@ def test_a_fault_that_should_restart_the_group_but_did_not_is_caught() -> None:
 
 
 def test_resuming_from_a_corrupted_copy_is_caught_but_not_from_a_later_recommit() -> None:
-    from chaos.verify import resumed_from_corrupted
+    from elastic_qa.chaos.verify import resumed_from_corrupted
 
     corrupt = [{"fault": "corrupt-checkpoint", "ts": 10.0, "checkpoint_step": 40}]
     resume = {"event": "resume", "rank": 0, "ts": 20.0, "step": 40}
@@ -125,7 +126,7 @@ def test_resuming_from_a_corrupted_copy_is_caught_but_not_from_a_later_recommit(
 
 
 def _evidence(events: list[dict], faults: list[dict], copies=(), actions=(), ledger=()):
-    from chaos.verify import Evidence
+    from elastic_qa.chaos.verify import Evidence
 
     return Evidence(events, events, faults, list(actions), list(copies), list(ledger), 30.0, 600.0, 60)
 
@@ -153,7 +154,7 @@ def test_a_full_log_disk_that_restarted_the_group_or_stopped_training_is_caught(
 
 
 def test_final_storage_errors_that_restarted_the_job_or_left_no_final_checkpoint_are_caught() -> None:
-    from chaos.evidence import Copy
+    from elastic_qa.chaos.evidence import Copy
 
     final = Copy(60, "/c/step-00000060", False, {"attempt": 1, "created_ts": 20.0}, ok=True)
     fault = [{"fault": "final-storage-errors", "ts": 10.0, "step": 55, "fail_after_max_steps_s": 3.0}]
@@ -165,8 +166,8 @@ def test_final_storage_errors_that_restarted_the_job_or_left_no_final_checkpoint
 
 
 def test_a_replay_that_loaded_the_corrupt_checkpoint_or_did_not_quarantine_it_is_caught() -> None:
-    from chaos.evidence import Copy
-    from chaos.verify import resumed_from_corrupted
+    from elastic_qa.chaos.evidence import Copy
+    from elastic_qa.chaos.verify import resumed_from_corrupted
 
     fault = {"fault": "corrupt-replay", "ts": 10.0, "step": 45, "checkpoint_step": 40}
     fault.update(copy_attempt=1, copy_created_ts=9.0)
@@ -207,8 +208,6 @@ def test_a_second_job_that_failed_other_than_by_fencing_is_caught() -> None:
 
 
 def test_log_lines_cut_short_by_a_full_disk_are_read_back_as_far_as_they_are_whole(tmp_path: Path) -> None:
-    from chaos.evidence import load_events
-
     logs = tmp_path / "logs"
     logs.mkdir()
     whole = json.dumps({"event": "step", "step": 7, "ts": 2.0})
@@ -217,7 +216,7 @@ def test_log_lines_cut_short_by_a_full_disk_are_read_back_as_far_as_they_are_who
         '{"event": "step", "st'  # a write cut short, then the next line glued to it
          + whole + "\n" + '{"event": "step", "step": 8, "ts"'  # the last line of a killed writer
     )
-    assert [e["step"] for e in load_events(tmp_path)] == [6, 7]
+    assert [e["step"] for e in read_events(tmp_path)] == [6, 7]
 
 
 def test_a_fault_that_was_requested_but_never_injected_fails_the_run(copy_of) -> None:

@@ -14,17 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from chaos.evidence import (
+from elastic_qa.chaos.evidence import (
+    attempts,
     check_checkpoints,
     check_ledger,
     final_parameters,
-    load_config,
-    load_events,
-    lost_steps,
     parameter_difference,
+    run_config,
 )
-from chaos.job import Job, is_alive
+from elastic_qa.chaos.job import Job
+from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.data.cache import prepare
+from elastic_qa.launcher.processes import alive
+from elastic_qa.observe.follow import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -62,14 +64,15 @@ def world_sizes(events: list[dict]) -> list[int]:
 
 
 def assert_nothing_lost(run_dir: Path, reference: dict, max_lost: int, bitwise: bool = False) -> dict:
-    cfg = load_config(run_dir)
+    cfg = run_config(run_dir)
     num_samples = len(prepare(cfg.data).train)
     ledger = check_ledger(run_dir, cfg, num_samples)
     assert ledger.ok, ledger.problems
     assert ledger.steps == MAX_STEPS
     assert check_checkpoints(cfg) == []
-    events = load_events(run_dir)
-    restarts = lost_steps(events)
+    events = read_events(run_dir)
+    runs = attempts(events)
+    restarts = [{"attempt": run["attempt"], "lost": steps_lost(runs, run)} for run in runs[1:]]
     assert restarts, "the fault caused no restart"
     assert all(r["lost"] <= max_lost for r in restarts), restarts
     step, params = final_parameters(cfg)
@@ -87,7 +90,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict
     run_dir = tmp_path_factory.mktemp("reference")
     job = run_job(run_dir, cache_dir)
     assert finish(job) == 0
-    cfg = load_config(run_dir)
+    cfg = run_config(run_dir)
     ledger = check_ledger(run_dir, cfg, len(prepare(cfg.data).train))
     assert ledger.ok, ledger.problems
     step, params = final_parameters(cfg)
@@ -99,7 +102,7 @@ def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Pa
     # The reference fixture already ran two agents to the end; check what a user sees on a fresh run.
     job = run_job(tmp_path / "run", cache_dir, "train.max_steps=10", "log.console=plain")
     assert finish(job) == 0
-    events = load_events(tmp_path / "run")
+    events = read_events(tmp_path / "run")
     assert world_sizes(events) == [2]
     done = [e for e in events if e["event"] == "train_done" and e["rank"] == 0]
     assert done and done[0]["step"] == 10 and 0.0 <= done[0]["em"] <= 1.0
@@ -113,7 +116,7 @@ def test_bf16_autocast_and_bf16_gradient_compression_train_under_torchrun(
         tmp_path / "run", cache_dir, "train.max_steps=10", "train.precision=bf16", "dist.comm_hook=bf16"
     )
     assert finish(job) == 0
-    steps = [e for e in load_events(tmp_path / "run") if e["event"] == "step"]
+    steps = [e for e in read_events(tmp_path / "run") if e["event"] == "step"]
     assert steps and all(math.isfinite(e["loss"]) for e in steps)
 
 
@@ -194,7 +197,7 @@ def test_a_worker_whose_agent_died_stops_the_group_saves_and_leaves_within_the_g
     (orphan,) = job.workers(victim)
     os.kill(victim["pid"], signal.SIGKILL)  # the agent alone: its worker is orphaned
     killed = time.monotonic()
-    while is_alive(orphan) and time.monotonic() - killed < 60:
+    while alive(orphan) and time.monotonic() - killed < 60:
         time.sleep(0.05)
     orphan_left_s = time.monotonic() - killed
     assert finish(job) == 0
@@ -206,6 +209,6 @@ def test_a_worker_whose_agent_died_stops_the_group_saves_and_leaves_within_the_g
     assert stops and stops[0]["step"] >= at_kill
     # Seen within one check interval, then stopped and saved, or a hard exit when the grace ran out; plus
     # a second for scheduling on a loaded box.
-    dist = load_config(run_dir).dist
+    dist = run_config(run_dir).dist
     bound = dist.agent_check_interval.total_seconds() + dist.agent_lost_grace.total_seconds() + 1.0
     assert orphan_left_s <= bound

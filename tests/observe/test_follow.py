@@ -1,11 +1,11 @@
-"""Following logs as they grow, and telling a crash loop from bad luck."""
+"""Reading logs (torn lines too) and following them as they grow; telling a crash loop from bad luck."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.observe.follow import CrashLoopDetector, LogFollower, parse_log_line, read_events
 
 
 def test_follower_returns_only_new_complete_lines(tmp_path: Path) -> None:
@@ -17,6 +17,27 @@ def test_follower_returns_only_new_complete_lines(tmp_path: Path) -> None:
         handle.write("}\n" + json.dumps({"event": "c"}) + "\n")
     assert [e["event"] for e in follower.new_events()] == ["b", "c"]
     assert follower.new_events() == []
+
+
+def test_a_torn_log_line_gives_the_whole_line_that_follows_it() -> None:
+    assert parse_log_line(b'{"event": "st{"event": "step", "step": 3}') == {"event": "step", "step": 3}
+    assert parse_log_line(b'{"event": "step", "step"') is None
+    assert parse_log_line(b"[1, 2]") is None
+
+
+def test_a_follower_reads_torn_lines_and_skips_lines_that_are_not_events(tmp_path: Path) -> None:
+    log = tmp_path / "rank-000.pid-1.jsonl"
+    log.write_text('{"event": "a", "ts": 1}\n{"event": "st{"event": "b", "ts": 2}\n[1]\n{"ts": 3}\n')
+    assert [e["event"] for e in LogFollower(tmp_path).new_events()] == ["a", "b"]
+
+
+def test_read_events_keeps_time_order_across_files_and_reads_only_those_asked_for(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-000.pid-1.jsonl").write_text(json.dumps({"event": "a", "ts": 2.0}) + "\n")
+    (logs / "rank-001.pid-2.jsonl").write_text(json.dumps({"event": "b", "ts": 1.0}) + "\n")
+    assert [e["event"] for e in read_events(tmp_path)] == ["b", "a"]
+    assert [e["event"] for e in read_events(tmp_path, "rank-000.*")] == ["a"]
 
 
 def crash(attempt: int, error: str = "ValueError: boom", kind: str = "worker_crash") -> dict:

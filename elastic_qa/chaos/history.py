@@ -43,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.evidence import Copy
+from elastic_qa.chaos.evidence import Copy
 from elastic_qa.checkpoint.policy import retained_steps
 
 SLACK_S = 0.5

@@ -1,19 +1,16 @@
 """What a run left behind, read back: log events, the sample ledger, checkpoints, final parameters.
 
 Every check here works from evidence on disk, never from the runner's memory of what it did, so the same
-functions judge a run made by `python -m chaos run`, by the test suite, or by hand on a cluster.
+functions judge a run made by `elastic-qa chaos run`, by the test suite, or by hand on a cluster.
 
-Log lines are evidence that may be missing: while the disk is full (`log-full`) a worker's log writes
-fail and are dropped, and a write cut short leaves a torn line that the next one continues. The reader
-keeps every line it can parse (the complete tail of a torn one too); exactly-once is judged from the
-sample ledger and what was saved from the checkpoints themselves (their manifests), never from log lines
-alone.
+Log lines are evidence that may be missing (a full disk drops them; elastic_qa.observe.follow reads what
+is left, torn lines included): exactly-once is judged from the sample ledger and what was saved from the
+checkpoints themselves (their manifests), never from log lines alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import re
 from collections import Counter
@@ -24,7 +21,6 @@ from typing import Any
 import torch
 import yaml
 
-from chaos.job import parse_log_line
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore
@@ -38,21 +34,8 @@ _REJECTED = re.compile(r"^(step-(\d{8}))\.")
 _ATTEMPT_FILE = re.compile(r"attempt-(\d{8,})(?:\.[0-9a-f]+)?\.json$")
 
 
-def load_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every JSON log line of a run that can be read, in time order: torn lines give their complete tail,
-    a last line cut short by a killed writer is dropped, and so are lines that are not JSON objects."""
-    rows = []
-    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
-        data = path.read_bytes()
-        complete = data[: data.rfind(b"\n") + 1]
-        for line in complete.splitlines():
-            row = parse_log_line(line)
-            if row is not None and "event" in row:
-                rows.append(row)
-    return sorted(rows, key=lambda row: row.get("ts", 0.0))
-
-
-def load_config(run_dir: Path) -> Config:
+def run_config(run_dir: Path) -> Config:
+    """The resolved config a run was trained with (<run.dir>/config.yaml, written by the workers)."""
     return config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
 
 
@@ -283,21 +266,3 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["first_step_ts"] = event["ts"]
             row["last_step"] = max(row["last_step"], event["step"])
     return [rows[k] for k in sorted(rows)]
-
-
-def lost_steps(events: list[dict[str, Any]]) -> list[dict[str, int]]:
-    """For each restart: completed steps before it minus the step the next attempt resumed from."""
-    rows = attempts(events)
-    out = []
-    completed = 0
-    for previous, current in itertools.pairwise(rows):
-        completed = max(completed, previous["last_step"], previous["resumed_step"])
-        out.append(
-            {
-                "attempt": current["attempt"],
-                "completed_before": completed,
-                "resumed_step": current["resumed_step"],
-                "lost": max(0, completed - current["resumed_step"]),
-            }
-        )
-    return out

@@ -1,20 +1,24 @@
 """Elastic torchrun agents on this host: start a job, add an agent, stop one gracefully, stop all.
 
-    python launch/local.py start --agents 2 [--min 1 --max 4] [--config CFG] [--module M] [overrides ...]
-    python launch/local.py join  --run-dir DIR          # one more agent: the group regroups larger
-    python launch/local.py leave --run-dir DIR [--agent N]   # SIGTERM one agent: it saves and leaves
-    python launch/local.py stop  --run-dir DIR          # SIGTERM every agent
-    python launch/local.py status --run-dir DIR
+    python -m elastic_qa.launcher.local start --agents 2 [--min 1 --max 4] [--config CFG] [--module M]
+                                              [overrides ...]
+    python -m elastic_qa.launcher.local join --run-dir DIR      # one more agent: the group regroups larger
+    python -m elastic_qa.launcher.local leave --run-dir DIR [--agent N]   # SIGTERM one: it saves and leaves
+    python -m elastic_qa.launcher.local stop --run-dir DIR      # SIGTERM every agent
+    python -m elastic_qa.launcher.local status --run-dir DIR
+
+In a checkout, `launch/local.sh` runs the same with the checkout's .venv.
 
 Every agent runs `torchrun --nnodes=MIN:MAX --nproc_per_node=P --rdzv_backend=c10d` on a free port with
-its own log file under <run.dir>/agents/. Two torch 2.13 traps are handled here (see README): joiners need
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly one same-host agent is `is_host=1` (it holds the c10d
-store). The job description is kept in <run.dir>/launch.json so that join/leave/stop find it.
-Each action is logged as one JSON line on stderr and in <run.dir>/agents/launch.jsonl.
+its own log file under <run.dir>/agents/, with the settings of `elastic_qa.launcher.rendezvous`. Two torch
+2.13 traps are handled here (see README): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly
+one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
+<run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line on stderr
+and in <run.dir>/agents/launch.jsonl.
 
 Every agent is on this host, so everything the job listens on is kept on loopback (see `loopback_env`
-and launch/loopback.py). With run.private=true the launcher, its agents and their workers create files
-readable by their owner only.
+and elastic_qa.launcher.loopback). With run.private=true the launcher, its agents and their workers
+create files readable by their owner only.
 """
 
 from __future__ import annotations
@@ -30,27 +34,20 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_qa.config import Config, ConfigError
+from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
-from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.launcher.processes import alive, python_env
+from elastic_qa.launcher.rendezvous import MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.observe.follow import CrashLoopDetector, LogFollower, read_events
 from elastic_qa.observe.tensorboard import TensorBoardScalars
-from elastic_qa.train import resolve_config
 
-# Rendezvous settings (the README explains the trade-offs):
-# - last_call_timeout=2: after min nodes are in, wait 2 s for more (torch's default 30 s is added to every
-#   regroup); long enough for agents restarted together to arrive in the same round.
-# - keep_alive 2 s x 3: a lost node is declared dead after ~6 s (default 5 s x 3 = 15 s). Shorter (1 s x 2)
-#   regrouped faster but let a busy agent miss heartbeats and split the job in two (on a loaded host).
-RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=600"
-MONITOR_INTERVAL = 0.5
-MAX_RESTARTS = 100
 CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
-EXIT_BAD_INPUT = 2
 WORKER_MODULE = "elastic_qa.train"
 LOOPBACK = "127.0.0.1"
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
-ON_LOOPBACK = str(Path(__file__).resolve().with_name("loopback.py"))
+ON_LOOPBACK = "elastic_qa.launcher.loopback"
 PRIVATE_UMASK = 0o077
 
 
@@ -69,21 +66,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def alive(pid: int) -> bool:
-    """A running process; a killed agent that its parent has not reaped yet (a zombie) is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
 def read_job(run_dir: Path) -> dict:
     path = run_dir / "launch.json"
     try:
@@ -99,9 +81,10 @@ def write_job(run_dir: Path, job: dict) -> None:
 
 
 def agent_command(job: dict, is_host: bool) -> list[str]:
-    """torchrun, and each worker it starts, run through launch/loopback.py: their stores bind loopback."""
+    """torchrun, and each worker it starts, run through ON_LOOPBACK: their stores bind loopback."""
     return [
         sys.executable,
+        "-m",
         ON_LOOPBACK,
         "torch.distributed.run",
         f"--nnodes={job['min']}:{job['max']}",
@@ -109,12 +92,13 @@ def agent_command(job: dict, is_host: bool) -> list[str]:
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={LOOPBACK}:{job['port']}",
         f"--rdzv_id={job['run_id']}",
-        f"--rdzv_conf=is_host={int(is_host)},{RDZV_CONF}",
+        f"--rdzv_conf={rdzv_conf(is_host)}",
         f"--max-restarts={job['max_restarts']}",
-        f"--monitor-interval={MONITOR_INTERVAL}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
         # The workers' MASTER_ADDR (rank 0's store), instead of this host's name.
         f"--local_addr={LOOPBACK}",
-        # Each worker is `python -u ON_LOOPBACK MODULE ...`: `python -m MODULE ...`, its store on loopback.
+        # Each worker is `python -u -m ON_LOOPBACK MODULE ...`: `python -m MODULE ...`, its store on loopback.
+        "--module",
         ON_LOOPBACK,
         job.get("module", WORKER_MODULE),  # launch.json files written before --module existed lack it
         "--config",
@@ -148,9 +132,13 @@ def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
     is_host = index == 0
     log_path = run_dir / "agents" / f"agent-{index}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **loopback_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    # python_env: the agents and their workers import the elastic_qa this launcher runs.
+    env = {
+        **python_env(),
+        **loopback_env(),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     handle = open(log_path, "ab")  # noqa: SIM115 - owned by the agent process
     process = subprocess.Popen(
         agent_command(job, is_host),
@@ -282,13 +270,10 @@ def watch_for_crash_loop(run_dir: Path, started: list[subprocess.Popen], crash: 
 
 def print_result(run_dir: Path) -> None:
     """The final EM/F1 as rank 0 logged it."""
-    done = None
-    for path in sorted((run_dir / "logs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
-        for line in path.read_text().splitlines():
-            if '"train_done"' in line and '"em"' in line:
-                done = json.loads(line)
-    if done and "em" in done:
-        print(f"result: step {done['step']}  EM {done['em']:.4f}  F1 {done['f1']:.4f}  ({run_dir})")
+    done = [row for row in read_events(run_dir) if row["event"] == "train_done" and "em" in row]
+    if done:
+        last = done[-1]
+        print(f"result: step {last['step']}  EM {last['em']:.4f}  F1 {last['f1']:.4f}  ({run_dir})")
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -346,7 +331,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="launch/local.sh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m elastic_qa.launcher.local",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a job with N agents and wait for it")

@@ -1,6 +1,6 @@
 """Run a Python module with the TCP stores it hosts listening on loopback only.
 
-    python launch/loopback.py MODULE [ARGS ...]     # what `python -m MODULE ARGS ...` does, plus this
+    python -m elastic_qa.launcher.loopback MODULE [ARGS ...]   # `python -m MODULE ARGS ...`, plus this
 
 Why: a torch 2.13 TCPStore server listens on every interface ("::", dual stack) whatever host it is
 given: the host only tells clients where to connect, and no environment variable changes the bind. Its
@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import importlib
 import ipaddress
-import os
 import runpy
 import socket
 import sys
@@ -113,10 +112,9 @@ def install() -> None:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: python launch/loopback.py MODULE [ARGS ...]")
+        raise SystemExit("usage: python -m elastic_qa.launcher.loopback MODULE [ARGS ...]")
     install()
     sys.argv = argv
-    sys.path[0] = os.getcwd()  # as `python -m`: the working directory, not launch/, is searched first
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 

@@ -1,7 +1,8 @@
 """Drive a training job on this host through the project's own launcher, and reach its processes.
 
-Used by the fault runner and by the integration tests: start a job with N agents, add one, find an
-agent's workers, send signals, and follow the job's progress from its logs.
+Used by the fault runner, the recovery benchmark and the integration tests: start a job with N agents
+(`python -m elastic_qa.launcher.local`, as a subprocess), add one, find an agent's workers, send signals,
+and follow the job's progress from its logs.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,48 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCHER = REPO / "launch" / "local.py"
-_LOG_PID = re.compile(r"\.pid-(\d+)\.jsonl$")
+from elastic_qa.launcher.processes import alive, children, python_env
+from elastic_qa.observe.follow import LogFollower
 
-
-def parse_log_line(line: bytes | str) -> dict | None:
-    """One JSON log line, or None. A write cut short (a full disk, a killed writer) leaves a torn line that
-    the next write continues: the complete line is then the tail that starts at one of its `{"`."""
-    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
-    start = 0
-    while start >= 0:
-        try:
-            row = json.loads(text[start:])
-        except ValueError:
-            start = text.find('{"', start + 1)
-            continue
-        return row if isinstance(row, dict) else None
-    return None
-
-
-def children(pid: int) -> list[int]:
-    """Direct child processes of `pid` (read from /proc, no psutil)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return sorted(found)
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+LAUNCHER = "elastic_qa.launcher.local"
 
 
 class Job:
@@ -81,7 +43,7 @@ class Job:
         self.process: subprocess.Popen | None = None
         self.ignored_pids: set[int] = set()  # processes writing to the same logs that are not this job's
         self._lock = threading.Lock()  # progress() is called from the runner and its follow-up threads
-        self._log_offsets: dict[Path, int] = {}
+        self._follower = LogFollower(self.run_dir / "logs")
         self._progress = 0
         self.attempt = 0  # newest attempt that logged worker_start
         self.attempt_steps: dict[int, int] = {}  # attempt -> highest step it completed
@@ -93,7 +55,8 @@ class Job:
         self.process = subprocess.Popen(
             [
                 self.python,
-                str(LAUNCHER),
+                "-m",
+                LAUNCHER,
                 "start",
                 "--agents",
                 str(self.agents_at_start),
@@ -107,7 +70,7 @@ class Job:
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            env=python_env(),
         )
         deadline = time.monotonic() + 60
         while not (self.run_dir / "launch.json").exists():
@@ -142,21 +105,21 @@ class Job:
         except (FileNotFoundError, json.JSONDecodeError):
             return []
         for agent in job["agents"]:
-            agent["alive"] = is_alive(agent["pid"])
+            agent["alive"] = alive(agent["pid"])
         return job["agents"]
 
     def live_agents(self) -> list[dict]:
         return [a for a in self.agents() if a["alive"]]
 
     def workers(self, agent: dict) -> list[int]:
-        return [pid for pid in children(agent["pid"]) if is_alive(pid)]
+        return [pid for pid in children(agent["pid"]) if alive(pid)]
 
     def join(self) -> int:
         result = subprocess.run(
-            [self.python, str(LAUNCHER), "join", "--run-dir", str(self.run_dir)],
+            [self.python, "-m", LAUNCHER, "join", "--run-dir", str(self.run_dir)],
             capture_output=True,
             text=True,
-            cwd=REPO,
+            env=python_env(),
             check=False,
         )
         if result.returncode != 0:
@@ -167,33 +130,21 @@ class Job:
     def progress(self) -> int:
         """Highest step any rank has logged as completed (reads only what was appended since last call).
 
-        Logs of `ignored_pids` (a second job sharing the run directory) are skipped; unreadable lines too
-        (log writes may fail while the disk is full).
+        Lines of `ignored_pids` (a second job sharing the run directory) are skipped; so are unreadable
+        lines (log writes may fail while the disk is full).
         """
         with self._lock:
-            for path in (self.run_dir / "logs").glob("*.jsonl"):
-                match = _LOG_PID.search(path.name)
-                if match and int(match.group(1)) in self.ignored_pids:
+            for row in self._follower.new_events():
+                if row.get("pid") in self.ignored_pids:
                     continue
-                offset = self._log_offsets.get(path, 0)
-                with open(path, "rb") as handle:
-                    handle.seek(offset)
-                    chunk = handle.read()
-                cut = chunk.rfind(b"\n") + 1
-                self._log_offsets[path] = offset + cut
-                for line in chunk[:cut].splitlines():
-                    if b'"event": "step"' in line or b'"event": "resume"' in line:
-                        row = parse_log_line(line)
-                        if row is None or "step" not in row:
-                            continue
-                        self._progress = max(self._progress, int(row["step"]))
-                        if row.get("event") == "step":
-                            attempt = row.get("attempt", 0)
-                            self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
-                    elif b'"event": "worker_start"' in line:
-                        row = parse_log_line(line)
-                        if row is not None:
-                            self.attempt = max(self.attempt, row.get("attempt", 0))
+                event = row["event"]
+                if event in ("step", "resume") and "step" in row:
+                    self._progress = max(self._progress, int(row["step"]))
+                    if event == "step":
+                        attempt = row.get("attempt", 0)
+                        self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
+                elif event == "worker_start":
+                    self.attempt = max(self.attempt, row.get("attempt", 0))
             return self._progress
 
     def wait_for_new_attempt(self, after: int, timeout: float = 180) -> bool:
@@ -217,15 +168,3 @@ class Job:
                 raise TimeoutError(f"step {step} not reached within {timeout} s (at {self.progress()})")
             time.sleep(0.05)
         return self.progress()
-
-    def wait_for_event(self, event: str, predicate=lambda row: True, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for path in (self.run_dir / "logs").glob("*.jsonl"):
-                for line in path.read_text(errors="replace").splitlines():
-                    if f'"event": "{event}"' in line:
-                        row = parse_log_line(line)
-                        if row is not None and predicate(row):
-                            return row
-            time.sleep(0.1)
-        raise TimeoutError(f"no {event} event within {timeout} s")

@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chaos.job import REPO, Job, is_alive, parse_log_line
-from chaos.schedule import Fault
+from elastic_qa.chaos.job import Job
+from elastic_qa.chaos.schedule import Fault
+from elastic_qa.launcher.processes import alive, python_env
+from elastic_qa.observe.follow import read_events
 
 STATE_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 
@@ -37,27 +39,25 @@ def _kill(pid: int, sig: int) -> None:
 
 def rank_zero_worker(job: Job) -> int:
     """pid of the rank-0 worker of the job's newest attempt (the checkpoint writer)."""
-    newest: tuple[int, int] | None = None
-    for path in (job.run_dir / "logs").glob("rank-000.pid-*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            if '"event": "worker_start"' in line:
-                with contextlib.suppress(ValueError):
-                    row = json.loads(line)
-                    if row["pid"] in job.ignored_pids:  # a second job is not this job's writer
-                        continue
-                    if newest is None or row["attempt"] > newest[0]:
-                        newest = (row["attempt"], row["pid"])
-    if newest is None or not is_alive(newest[1]) or newest[1] not in all_workers(job):
+    starts = [
+        row
+        for row in read_events(job.run_dir, "rank-000.pid-*.jsonl")
+        if row["event"] == "worker_start"
+        and "attempt" in row
+        and "pid" in row
+        and row["pid"] not in job.ignored_pids  # a second job is not this job's writer
+    ]
+    newest = max(starts, key=lambda row: row["attempt"], default=None)
+    if newest is None or not alive(newest["pid"]) or newest["pid"] not in all_workers(job):
         raise NoTarget("no live rank-0 worker")
-    return newest[1]
+    return newest["pid"]
 
 
 def registered_attempt(run_dir: Path, pid: int) -> int | None:
     """The attempt number a process registered (from its worker_start line), if it has yet."""
-    for path in (run_dir / "logs").glob(f"rank-*.pid-{pid}.jsonl"):
-        for line in path.read_bytes().splitlines():
-            if b'"worker_start"' in line and (row := parse_log_line(line)) and "attempt" in row:
-                return int(row["attempt"])
+    for row in read_events(run_dir, f"rank-*.pid-{pid}.jsonl"):
+        if row["event"] == "worker_start" and "attempt" in row:
+            return int(row["attempt"])
     return None
 
 
@@ -211,7 +211,7 @@ class Injector:
             if writing:
                 _kill(pid, signal.SIGKILL)
                 return {"target": f"rank-0 worker pid {pid} while writing {writing[0]}"}
-            if not is_alive(pid):
+            if not alive(pid):
                 raise NoTarget("the rank-0 worker exited before a save started")
             time.sleep(0.002)
         raise NoTarget("no checkpoint save started within 60 s")
@@ -264,7 +264,7 @@ class Injector:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while any(is_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.01)  # a dead writer can no longer publish: only then pick the newest
         record = self._corrupt(self._committed()[-1])
         return {**record, "killed_workers": workers}
@@ -328,8 +328,10 @@ class Injector:
                 [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *self.job.overrides],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env={k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))},
+                # Not part of the main job's torchrun group: none of its agent's variables.
+                env=python_env(
+                    {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+                ),
             )
         self.job.ignored_pids.add(process.pid)
         self.second_jobs.append(process)

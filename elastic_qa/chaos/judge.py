@@ -1,13 +1,13 @@
 """Judging each fault from the evidence: the restart it caused, the steps it lost against its bound, and
-the checks of its own kind (see chaos.verify for the list)."""
+the checks of its own kind (see elastic_qa.chaos.verify for the list)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.evidence import Copy, attempts
-from chaos.schedule import ZERO_LOSS, restarts_group
+from elastic_qa.chaos.evidence import Copy, attempts
+from elastic_qa.chaos.schedule import ZERO_LOSS, restarts_group
 
 # Faults that must not restart the group: any restart after them is a failure for these; for the others
 # only one that lost steps is (a restart that lost nothing may be another fault's late regroup).
@@ -46,6 +46,18 @@ def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
 
 def _committed(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("event") == "checkpoint_committed"]
+
+
+def reached_before(runs: list[dict], new: dict) -> int:
+    """The furthest step reached (completed, or resumed at) by the attempts that started before `new`."""
+    before = [a for a in runs if a["start"] < new["start"]]
+    return max([a["last_step"] for a in before] + [a["resumed_step"] for a in before] + [0])
+
+
+def steps_lost(runs: list[dict], new: dict) -> int:
+    """Steps lost when attempt `new` (a row of `attempts`) started: the furthest step reached before it,
+    minus the step it resumed from."""
+    return max(0, reached_before(runs, new) - new["resumed_step"])
 
 
 def storage_windows(faults: list[dict], actions: list[dict]) -> list[tuple[float, float]]:
@@ -129,9 +141,7 @@ def judge_faults(
         unexpected = [a for a in runs if fault["ts"] < a["start"] < until and a["attempt"] not in claimed]
         if unexpected:
             first = unexpected[0]
-            before = [a for a in runs if a["start"] < first["start"]]
-            completed = max([a["last_step"] for a in before] + [a["resumed_step"] for a in before] + [0])
-            row["lost"] = max(0, completed - first["resumed_step"])
+            row["lost"] = steps_lost(runs, first)
             what = f"the group restarted (attempt {first['attempt']}, {row['lost']} steps lost)"
             if fault["fault"] in NO_RESTART_STRICT or row["lost"] > 0:
                 row.update(verdict="FAIL", note=f"{what}; this fault must not restart it")
@@ -174,8 +184,8 @@ def _judge_restart(row: dict, fault: dict, runs: list[dict], claimed: set[int], 
     new = later[0]
     claimed.add(new["attempt"])
     before = [a for a in runs if a["start"] < new["start"]]
-    completed = max([a["last_step"] for a in before] + [a["resumed_step"] for a in before] + [0])
-    row["lost"] = max(0, completed - new["resumed_step"])
+    completed = reached_before(runs, new)
+    row["lost"] = steps_lost(runs, new)
     row["attempt"] = new["attempt"]
     if new["first_step_ts"] is not None:
         row["recovery_s"] = round(new["first_step_ts"] - fault["ts"], 2)

@@ -1,10 +1,12 @@
-"""`python -m chaos`: break a training job on purpose, then prove from evidence that nothing was lost.
+"""`elastic-qa chaos`: break a training job on purpose, then prove from evidence that nothing was lost.
 
-    python -m chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
-                        (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
-                        [--min-gap 2s] [-- key=value ...]
-    python -m chaos verify DIR [--reference REF_DIR]
-    python -m chaos schedule --seed S --faults N [--config tiny] [key=value ...]   # print it, fitted
+    elastic-qa chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
+                         (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
+                         [--min-gap 2s] [-- key=value ...]
+    elastic-qa chaos verify DIR [--reference REF_DIR]
+    elastic-qa chaos schedule --seed S --faults N [--config tiny] [key=value ...]   # print it, fitted
+
+(`python -m chaos ...` in a checkout.)
 
 Fault kinds: kill-worker, kill-node, term-node, join-node, freeze-worker, kill-during-save,
 corrupt-checkpoint, storage-errors, final-storage-errors, corrupt-replay, log-full, hup, second-job.
@@ -20,8 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from chaos.schedule import KINDS, Fault, fit_job, parse_fault, random_schedule, validate
-from elastic_qa.config import Config, ConfigError, parse_duration
+from elastic_qa.chaos.schedule import KINDS, Fault, fit_job, parse_fault, random_schedule, validate
+from elastic_qa.config import Config, ConfigError, parse_duration, resolve_config
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
@@ -52,9 +54,8 @@ def _schedule(args: argparse.Namespace, cfg: Config) -> tuple[list[Fault], dict[
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from chaos.runner import reference_run, run_schedule
-    from chaos.verify import format_table, verify_run, write_report
-    from elastic_qa.train import resolve_config
+    from elastic_qa.chaos.runner import reference_run, run_schedule
+    from elastic_qa.chaos.verify import format_table, verify_run, write_report
 
     run_dir = Path(args.run_dir)
     overrides = [*args.overrides, f"run.dir={run_dir}"]
@@ -91,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from chaos.verify import format_table, verify_run, write_report
+    from elastic_qa.chaos.verify import format_table, verify_run, write_report
 
     reference = Path(args.reference) if args.reference else None
     verdict = verify_run(Path(args.run_dir), reference)
@@ -102,8 +103,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from elastic_qa.train import resolve_config
-
     faults, fitted = _schedule(args, resolve_config(args.config, args.overrides))
     for fault in faults:
         print(fault.describe())
@@ -114,7 +113,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="elastic-qa chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "schedule"):

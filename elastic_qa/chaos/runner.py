@@ -25,10 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from chaos.evidence import final_parameters, load_config
-from chaos.faults import FlagFile, Injector, NoTarget
-from chaos.job import Job
-from chaos.schedule import Fault, ordered, restarts_group
+from elastic_qa.chaos.evidence import final_parameters, run_config
+from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
+from elastic_qa.chaos.job import Job
+from elastic_qa.chaos.schedule import Fault, ordered, restarts_group
+from elastic_qa.config import resolve_config
 
 # Forced on every chaos run: the evidence the verifier reads.
 EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")
@@ -36,6 +37,8 @@ EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")
 # without them (it is cached by what it trains, and a slowed-down reference only costs time).
 NOT_TRAINING = ("debug.", "checkpoint.")
 RETRY_EVERY_S = 0.2
+# Subpackages that start, break or measure training but take no part in it: not in the code fingerprint.
+TOOLING = frozenset({"bench", "chaos", "launcher"})
 
 _log_lock = threading.Lock()
 
@@ -51,20 +54,21 @@ def log_line(run_dir: Path, record: dict) -> None:
 
 
 def code_fingerprint() -> str:
-    """A hash of the trainer's source: a reference trained by other code (another model, say) is stale."""
+    """A hash of the trainer's source: a reference trained by other code (another model, say) is stale;
+    a change to the tooling (TOOLING) keeps it."""
     import elastic_qa
 
     digest = hashlib.sha256()
     package = Path(elastic_qa.__file__).parent
     for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in TOOLING:
+            continue
         digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def reference_key(config: str, overrides: list[str], agents: int) -> str:
     """Configs that train the same model the same way, with the same code, share a reference run."""
-    from elastic_qa.train import resolve_config
-
     resolved = resolve_config(config, overrides)
     tree = resolved.to_dict()
     for volatile in ("run", "log", "debug", "checkpoint"):  # where and how it is observed, not what
@@ -84,7 +88,7 @@ def reference_run(config: str, overrides: list[str], agents: int, cache_root: Pa
     key = reference_key(config, overrides, agents)
     run_dir = cache_root / key
     if (run_dir / "config.yaml").exists():
-        cfg = load_config(run_dir)
+        cfg = run_config(run_dir)
         done = final_parameters(cfg)
         if done is not None and done[0] == cfg.train.max_steps:
             print(json.dumps({"event": "reference_reused", "run_dir": str(run_dir)}), flush=True)
@@ -256,8 +260,6 @@ def run_schedule(
     fitted: dict[str, str] | None = None,
 ) -> int:
     """Run the job with its faults; return the launcher's exit code (124: killed after `timeout`)."""
-    from elastic_qa.train import resolve_config
-
     chaos = run_dir / "chaos"
     flags = [
         f"debug.storage_fault_file={chaos / 'storage-fault'}",

@@ -9,13 +9,14 @@ Checks (exit code 0 only when all hold):
 3. every committed checkpoint verifies (except copies a fault corrupted on purpose, which must never have
    been resumed from; a later commit of their step must verify), a quarantined one that verifies was
    superseded by a newer commit of its step, and no more are retained than keep_last + milestones;
-4. done claims, fencing and retention (see chaos.history): no job ends done without its own final
-   checkpoint committed and verified, no stale attempt commits, no attempt number is handed out twice, no
-   checkpoint the policy keeps is gone;
-5. per fault (chaos.judge), lost work within its bound: 0 for term-node/join-node/hup and faults that need
-   no restart, <= 1 step for a kill or freeze that leaves survivors, and no older than the newest valid
-   checkpoint when no rank can save (every worker killed, the survivors fenced, or storage down); recovery
-   time (fault -> first completed step of the new group) reported per fault; plus each new kind's check:
+4. done claims, fencing and retention (see elastic_qa.chaos.history): no job ends done without its own
+   final checkpoint committed and verified, no stale attempt commits, no attempt number is handed out twice,
+   no checkpoint the policy keeps is gone;
+5. per fault (elastic_qa.chaos.judge), lost work within its bound: 0 for term-node/join-node/hup and faults
+   that need no restart, <= 1 step for a kill or freeze that leaves survivors, and no older than the newest
+   valid checkpoint when no rank can save (every worker killed, the survivors fenced, or storage down);
+   recovery time (fault -> first completed step of the new group) reported per fault; plus each new kind's
+   check:
    - hup: the group stopped gracefully (a `stopping` line) rather than losing a rank;
    - log-full: no restart, and the attempt that was training went on training through the window;
    - final-storage-errors: no restart (the final save retries for checkpoint.final_retry_for), and the
@@ -37,20 +38,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.evidence import (
+from elastic_qa.chaos.evidence import (
     Copy,
     attempts,
     check_checkpoints,
     check_ledger,
     checkpoint_copies,
     final_parameters,
-    load_config,
-    load_events,
     parameter_difference,
     registrations,
+    run_config,
 )
-from chaos.history import blind_windows, check_claims, check_fencing, check_nothing_lost, done_claims
-from chaos.judge import (
+from elastic_qa.chaos.history import (
+    blind_windows,
+    check_claims,
+    check_fencing,
+    check_nothing_lost,
+    done_claims,
+)
+from elastic_qa.chaos.judge import (
     Evidence,
     corrupted_steps,
     corruptions,
@@ -60,6 +66,7 @@ from chaos.judge import (
 )
 from elastic_qa.config import Config
 from elastic_qa.data.cache import prepare
+from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
 
 SHORT_RUN_STEPS = 500
@@ -121,12 +128,12 @@ def requested_faults(run_dir: Path, faults: list[dict]) -> int:
 def _reference_comparison(cfg, events, reference_dir: Path | None) -> tuple[bool, dict[str, Any]]:
     if reference_dir is None:
         return True, {"skipped": "no reference run"}
-    ref_cfg = load_config(reference_dir)
+    ref_cfg = run_config(reference_dir)
     mine, ref = final_parameters(cfg), final_parameters(ref_cfg)
     if mine is None or ref is None:
         return False, {"error": "a final checkpoint is missing"}
     diff = parameter_difference(mine[1], ref[1])
-    ref_world = {a["world_size"] for a in attempts(load_events(reference_dir))}
+    ref_world = {a["world_size"] for a in attempts(read_events(reference_dir))}
     worlds = {a["world_size"] for a in attempts(events) if a["world_size"]}
     detail = {**diff, "world_sizes": sorted(worlds), "reference_world_sizes": sorted(ref_world)}
     if worlds == ref_world and len(ref_world) == 1:
@@ -136,7 +143,7 @@ def _reference_comparison(cfg, events, reference_dir: Path | None) -> tuple[bool
         detail["rule"] = "relative parameter difference < 1e-4"
         return diff["relative"] < 1e-4, detail
     done = [e for e in events if e.get("event") == "train_done" and "em" in e]
-    ref_done = [e for e in load_events(reference_dir) if e.get("event") == "train_done" and "em" in e]
+    ref_done = [e for e in read_events(reference_dir) if e.get("event") == "train_done" and "em" in e]
     if not done or not ref_done:
         return False, {**detail, "error": "final evaluation missing"}
     a, b = done[-1], ref_done[-1]
@@ -174,8 +181,8 @@ def _completed(cfg: Config, events: list[dict], actions: list[dict], copies: lis
 
 def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
     run_dir = Path(run_dir)
-    cfg = load_config(run_dir)
-    all_events = load_events(run_dir)
+    cfg = run_config(run_dir)
+    all_events = read_events(run_dir)
     faults, actions = read_faults(run_dir), read_actions(run_dir)
     second = second_job_pids(faults)
     events = [e for e in all_events if e.get("pid") not in second]

@@ -1,0 +1,93 @@
+"""The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
+
+0  the package root, config, exits
+1  dist, data, models, observe, checkpoint, metrics, debug
+2  state, optim, evaluate
+3  elastic (control plane, session, fencing, signals, watchdog)
+4  trainer
+5  entry points: train, cli, ckpt, bench, chaos, launcher (bench may use chaos and the launcher, chaos the
+   launcher; none of them is imported by anything below)
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+
+from tests.conftest import REPO
+
+LAYERS = {
+    "elastic_qa": 0, "config": 0, "exits": 0,
+    "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1,
+    "state": 2, "optim": 2, "evaluate": 2,
+    "elastic": 3,
+    "trainer": 4,
+    "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5,
+}  # fmt: skip
+# Among the entry points, who may use whom (a subprocess is not an import).
+ENTRY_USES = {"cli": {"ckpt", "bench", "chaos"}, "bench": {"chaos", "launcher"}, "chaos": {"launcher"}}
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imports() -> dict[str, set[str]]:
+    """unit -> the units it imports (only imports of elastic_qa itself)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for path in (REPO / "elastic_qa").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "elastic_qa":
+                names = (
+                    [f"elastic_qa.{a.name}" for a in node.names]
+                    if node.module == "elastic_qa"
+                    else [node.module]
+                )
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "elastic_qa"]
+            else:
+                continue
+            for name in names:
+                if unit(name) != unit(module) and unit(name) in LAYERS:
+                    found[unit(module)].add(unit(name))
+    return found
+
+
+def test_every_unit_of_the_package_has_a_layer() -> None:
+    units = {
+        unit(".".join(p.relative_to(REPO).with_suffix("").parts)) for p in (REPO / "elastic_qa").rglob("*.py")
+    }
+    units.discard("__init__")
+    assert units - set(LAYERS) == set(), "give the new module a layer in this test and in the README"
+
+
+def test_no_module_imports_a_layer_above_it_or_an_entry_point() -> None:
+    wrong = []
+    for source, targets in imports().items():
+        for target in targets:
+            if LAYERS[target] > LAYERS[source]:
+                wrong.append(f"{source} -> {target} (layer {LAYERS[source]} imports layer {LAYERS[target]})")
+            elif LAYERS[target] == 5 and target not in ENTRY_USES.get(source, set()):
+                wrong.append(f"{source} -> {target} (an entry point)")
+    assert wrong == []
+
+
+def test_no_import_cycles_between_units() -> None:
+    graph = imports()
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ())
+        )
+
+    cycles = sorted(unit for unit in graph if reaches(unit, unit, {unit}))
+    assert cycles == []
+
+
+def test_only_the_entry_points_live_outside_the_package() -> None:
+    """launch/ and chaos/ at the top of the repository are thin shells over the package."""
+    for shim in ("launch", "chaos"):
+        for path in (REPO / shim).glob("*.py"):
+            assert len(path.read_text().splitlines()) <= 40, f"{path} holds logic; move it into elastic_qa/"
