@@ -189,6 +189,12 @@ class Injector:
         return {"target": f"new agent pid {pid}"}
 
     def _freeze_worker(self, fault: Fault) -> dict:
+        if fault.duration is None:
+            # Frozen for ever, a worker is only noticed by its peers' collective timeout: alone in its
+            # group, nothing would ever notice and the job would hang. Wait until it has a peer.
+            workers = [pid for agent in self.job.live_agents() for pid in self.job.workers(agent)]
+            if len(workers) < 2:
+                raise NoTarget("a worker frozen for ever needs a peer to notice it: the group has one")
         agent, pid = self._any_worker()
         _kill(pid, signal.SIGSTOP)
         if fault.duration is not None:
