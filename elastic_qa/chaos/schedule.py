@@ -211,13 +211,15 @@ def random_schedule(
     faults = []
     for index, kind in enumerate(drawn):
         step = final_step if kind == FINAL else 1 + index * width + rng.randrange(width)
-        faults.append(Fault(kind, at_step=step, duration=_random_duration(rng, kind)))
+        faults.append(Fault(kind, at_step=step, duration=_random_duration(rng, kind, min_nodes)))
     return faults
 
 
-def _random_duration(rng: random.Random, kind: str) -> float | None:
+def _random_duration(rng: random.Random, kind: str, min_nodes: int) -> float | None:
     if kind == "freeze-worker":
-        seconds = rng.choice([1.0, 2.0, 4.0, None]) if rng.random() < 0.25 else rng.uniform(1.0, 4.0)
+        # For ever only where the group can never shrink to one worker: alone, nobody would notice it.
+        longest = [1.0, 2.0, 4.0, None] if min_nodes >= 2 else [1.0, 2.0, 4.0, 8.0]
+        seconds = rng.choice(longest) if rng.random() < 0.25 else rng.uniform(1.0, 4.0)
     elif kind in ("storage-errors", "final-storage-errors"):
         seconds = rng.uniform(2.0, 6.0)
     elif kind == "log-full":

@@ -179,3 +179,17 @@ def test_the_cli_refuses_bad_arguments_with_exit_code_2(tmp_path) -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "train.max_steps=40" in result.stderr
+
+
+def test_random_schedules_freeze_a_worker_for_ever_only_when_the_group_keeps_two() -> None:
+    """With --min 1 the group can shrink to one worker, whom nobody would notice frozen for ever."""
+    for seed in range(20):
+        lone = random_schedule(seed, 40, 4000, agents=2, min_nodes=1, max_nodes=3)
+        assert all(f.duration is not None for f in lone if f.kind == "freeze-worker"), seed
+    kept = [
+        f
+        for seed in range(20)
+        for f in random_schedule(seed, 40, 4000, agents=2, min_nodes=2, max_nodes=3)
+        if f.kind == "freeze-worker"
+    ]
+    assert any(f.duration is None for f in kept)
