@@ -258,6 +258,8 @@ class CheckpointSession:
             else:  # resumed at max_steps: that checkpoint is the final state; it must still stand
                 ok = self.store.verify(self.store.path(step_dir_name(step))).ok
             committed[0] = int(ok)
+            if ok:
+                self._quarantine_damaged()
         if self.ctx.distributed:
             dist.broadcast(committed, src=0, group=self.final_group)
         if not committed[0]:
@@ -268,6 +270,15 @@ class CheckpointSession:
                 f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
             )
         self.checkpointer.wait()
+
+    def _quarantine_damaged(self) -> None:
+        """Leave a store in which every listed checkpoint verifies: one damaged since it was written (bit
+        rot, a bad disk, a chaos fault) is found here rather than at some later resume, and quarantined."""
+        for info in self.store.list_steps(committed_only=False):
+            verification = self.store.verify(info.path)
+            if not verification.ok and not verification.vanished:
+                reason = f"damaged at the end: {verification.reason}"
+                self._quarantine(Rejection(info.step, info.path, reason))
 
     def _report_uncommitted(self, reason: str) -> None:
         step, error = self.state.step, self.checkpointer.last_error
