@@ -26,13 +26,16 @@ FAULTS = [
     "storage-errors@step=100,for=3s",
     "kill-node@step=110",
 ]
-# The second job starts early: it needs seconds to start (torch, the data) while the main job trains on.
+# The log fault comes first: while its window is open, every log line is dropped, the second job's too
+# (its fencing would go unrecorded). The second job starts early: it needs seconds to start (torch, the
+# data) while the main job trains on, and it must not finish the whole job before the main job, fenced at
+# its next commit, restarts past it (300 steps: the second job would need ~25 s, the restart takes ~10 s).
 NEW_FAULTS = [
     "hup@step=10",
-    "corrupt-replay@step=25",
-    "second-job@step=40",
-    "log-full@step=115,for=3s",
-    "final-storage-errors@step=145,for=3s",
+    "log-full@step=20,for=3s",
+    "corrupt-replay@step=40",
+    "second-job@step=55",
+    "final-storage-errors@step=295,for=3s",
 ]
 
 
@@ -87,7 +90,15 @@ def test_a_scenario_with_every_data_loss_fault_kind_passes_verification(
 ) -> None:
     # Saves every 15 steps, all kept (milestones): the replay saves the corrupted step again, and it stays.
     saves = ("checkpoint.interval=30m", "checkpoint.every_steps=15", "checkpoint.keep_every_steps=15")
-    report = run_chaos(tmp_path / "run", references, cache_dir, NEW_FAULTS, "debug.step_delay=100ms", *saves)
+    report = run_chaos(
+        tmp_path / "run",
+        references,
+        cache_dir,
+        NEW_FAULTS,
+        "train.max_steps=300",
+        "debug.step_delay=100ms",
+        *saves,
+    )
     rows = {row["fault"]: row for row in report["faults"]}
     assert rows["hup"]["lost"] == 0
     assert rows["second-job"].get("attempt", 0) > 0  # the main job restarted past the second job's attempt
