@@ -146,10 +146,12 @@ class Trainer:
                 self.timer.mark("data")
                 if batch["step"] != state.step + 1:  # a loader bug would silently break exactly-once
                     raise AssertionError(f"loader produced step {batch['step']}, expected {state.step + 1}")
+                # Rank 0's timer is asked only on control steps: while saves fail, asking moves its back-off.
+                control_step = batch["step"] >= self.control.next_control
                 pending = self.control.start(
                     batch["step"],
                     self.stop_request.notice(self.log),
-                    self.session.schedule.time_due(self.session.checkpointer.failing),
+                    control_step and self.session.schedule.time_due(self.session.checkpointer.failing),
                     self.timer.mean_step_s(),
                 )
                 if self.ledger:
