@@ -76,7 +76,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.overrides)
     configure_logging(None, cfg.log.level)
     started = time.perf_counter()
-    data = prepare(cfg.data)
+    data = prepare(cfg, family_for(cfg.model))
     skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "
@@ -95,7 +95,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         examples, _ = read_squad(args.data, cfg.data.skip_malformed)
         features = family.features(examples, cfg)
     else:
-        data = prepare(cfg.data)
+        data = prepare(cfg, family_for(cfg.model))
         if data.eval is None:
             raise UsageError("the checkpoint's data has no evaluation split: pass --data FILE")
         examples, features = data.eval_examples, data.eval

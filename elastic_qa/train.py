@@ -26,6 +26,7 @@ from elastic_qa.elastic.session import FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
+from elastic_qa.models import family_for
 from elastic_qa.observe.console import print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.state import ResumeError
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     log = get_logger()
     try:
-        data = prepare(cfg.data)  # before the process group: a long first build cannot time it out
+        # Before the process group: a long first build cannot time it out.
+        data = prepare(cfg, family_for(cfg.model))
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)

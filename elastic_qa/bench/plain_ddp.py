@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
 
-    data = prepare(cfg.data)
+    data = prepare(cfg, family_for(cfg.model))
     per_rank = cfg.train.global_batch_size // world
     sampler = DistributedSampler(Indices(len(data.train)), world, rank, shuffle=True, seed=cfg.run.seed)
     loader = DataLoader(

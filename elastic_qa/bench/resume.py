@@ -36,6 +36,7 @@ from elastic_qa.bench.runs import bench_config, events_of, run_logged, worker_en
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
 
 BASE_STEPS = 3
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if bad:
         raise UsageError(f"--positions: {bad[0]} is not a percentage in [0, 100)")
     cfg = bench_config(args.config, args.overrides)
-    samples = len(prepare(cfg.data).train)
+    samples = len(prepare(cfg, family_for(cfg.model)).train)
     print(f"[resume] base checkpoint: {BASE_STEPS} steps of {args.config} ...", flush=True)
     store, path = base_checkpoint(args.config, args.overrides, work / "base")
     step = int(store.read_manifest(path)["step"])

@@ -21,6 +21,7 @@ from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def bench_config(name: str, overrides: list[str]) -> Config:
     """The resolved config, with its feature cache built now so that no measured run pays for it."""
     try:
         cfg = resolve_config(name, overrides)
-        prepare(cfg.data)
+        prepare(cfg, family_for(cfg.model))
     except (ConfigError, DataError) as err:
         raise UsageError(f"config: {err}") from None
     return cfg

@@ -66,6 +66,7 @@ from elastic_qa.chaos.judge import (
 )
 from elastic_qa.config import Config
 from elastic_qa.data.cache import prepare
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
 
@@ -193,7 +194,7 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
     verdict.add("completed", ok, detail)
 
     ledger_rows = read_ledger(run_dir)
-    ledger = check_ledger(run_dir, cfg, len(prepare(cfg.data).train))
+    ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
     verdict.add(
         "exactly_once",
         ledger.ok,

@@ -16,20 +16,21 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import fsspec
 import numpy as np
 
-from elastic_qa.config import DataConfig
+from elastic_qa.config import Config, DataConfig
 from elastic_qa.data import synthetic
-from elastic_qa.data.features import Features, build_features
+from elastic_qa.data.features import BuiltinFeaturizer, Features
 from elastic_qa.data.squad import Answer, DataError, QAExample, decode_json, parse_squad, read_bytes
-from elastic_qa.data.tokenizer import tokenizer_for
 from elastic_qa.observe.log import get_logger
 
 # Bump when features.py, tokenizer.py, squad.py or synthetic.py change what they produce.
 # 5: int32 answer positions; duplicate question ids refused (or skipped).
-CACHE_FORMAT = 5
+# 6: a `lengths` column (padding ids are the tokenizer's own); features built by the model family.
+CACHE_FORMAT = 6
 
 
 @dataclass
@@ -43,17 +44,31 @@ class PreparedData:
     skipped: dict[str, int] = field(default_factory=dict)  # malformed records skipped, per split
 
 
-def _settings(cfg: DataConfig) -> dict:
+class Featurizer(Protocol):
+    """What turns examples into a model's windows (a `models.ModelFamily` is one); see its fields."""
+
+    tokenizer: Any
+    features: Any
+    cache_identity: Any
+
+
+def _resolve(config: Config | DataConfig, featurizer: Featurizer | None) -> tuple[Config, Featurizer]:
+    """A bare data config, or no featurizer, stands for the built-in tokenizers (the native model)."""
+    full = config if isinstance(config, Config) else Config(data=config)
+    if featurizer is None:
+        if full.model.kind != "native":
+            raise ValueError(f"model.kind={full.model.kind!r}: prepare() needs the family's featurizer")
+        featurizer = BuiltinFeaturizer()
+    return full, featurizer
+
+
+def _settings(cfg: Config, featurizer: Featurizer) -> dict:
     return {
         "format": CACHE_FORMAT,
-        "tokenizer": cfg.tokenizer,
-        "vocab_size": cfg.vocab_size if cfg.tokenizer == "word" else None,
-        "lowercase": cfg.lowercase if cfg.tokenizer == "word" else None,
-        "max_seq_len": cfg.max_seq_len,
-        "max_query_len": cfg.max_query_len,
-        "doc_stride": cfg.doc_stride,
+        "model_kind": cfg.model.kind,
+        "features": featurizer.cache_identity(cfg),
         # A cache built while skipping malformed records must not silence a strict run's error.
-        "skip_malformed": cfg.skip_malformed if cfg.source != "synthetic" else None,
+        "skip_malformed": cfg.data.skip_malformed if cfg.data.source != "synthetic" else None,
     }
 
 
@@ -106,8 +121,10 @@ def content_hash(url: str, root: Path) -> str:
     return digest
 
 
-def cache_key(cfg: DataConfig) -> str:
+def cache_key(config: Config | DataConfig, featurizer: Featurizer | None = None) -> str:
     """Hash of the input content and every setting that changes the features."""
+    full, featurizer = _resolve(config, featurizer)
+    cfg = full.data
     if cfg.source == "synthetic":
         identity = {"synthetic": asdict(cfg.synthetic)}
     else:
@@ -118,7 +135,7 @@ def cache_key(cfg: DataConfig) -> str:
             for split, url in (("train", cfg.source), ("eval", cfg.eval_source))
             if url
         }
-    blob = json.dumps({"inputs": identity, "settings": _settings(cfg)}, sort_keys=True)
+    blob = json.dumps({"inputs": identity, "settings": _settings(full, featurizer)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -151,11 +168,12 @@ def _examples_from_json(rows: list[dict]) -> list[QAExample]:
     ]
 
 
-def _build(cfg: DataConfig, key: str, final: Path) -> None:
+def _build(full: Config, featurizer: Featurizer, key: str, final: Path) -> None:
     """Build under the key's lock: any `<key>.tmp-*` left is from a builder that died (SIGKILL)."""
     started = time.perf_counter()
+    cfg = full.data
     identity, splits, skipped = _load_sources(cfg)
-    tokenizer = tokenizer_for(cfg)
+    tokenizer = featurizer.tokenizer(full)
     for stale in final.parent.glob(f"{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     staging = final.with_name(f"{final.name}.tmp-{os.getpid()}")
@@ -163,7 +181,7 @@ def _build(cfg: DataConfig, key: str, final: Path) -> None:
     counts = {}
     try:  # whatever stops the build (bad data, a full disk, Ctrl-C) takes its half-written files along
         for split, examples in splits.items():
-            features = build_features(examples, tokenizer, cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
+            features = featurizer.features(examples, full)
             _write_split(staging / split, features)
             counts[split] = {
                 "examples": len(examples),
@@ -175,7 +193,7 @@ def _build(cfg: DataConfig, key: str, final: Path) -> None:
         meta = {
             "key": key,
             "inputs": identity,
-            "settings": _settings(cfg),
+            "settings": _settings(full, featurizer),
             "counts": counts,
             "vocab_size": tokenizer.vocab_size,
         }
@@ -192,9 +210,15 @@ def _build(cfg: DataConfig, key: str, final: Path) -> None:
     )
 
 
-def prepare(cfg: DataConfig) -> PreparedData:
-    """Return the cached features for `cfg`, building them first if no process has yet."""
-    key = cache_key(cfg)
+def prepare(config: Config | DataConfig, featurizer: Featurizer | None = None) -> PreparedData:
+    """Return the cached features for `config`, building them first if no process has yet.
+
+    `featurizer` is the model family's (`models.family_for(cfg.model)`); without one, the built-in
+    tokenizers of the native model (a bare DataConfig means that too).
+    """
+    full, featurizer = _resolve(config, featurizer)
+    cfg = full.data
+    key = cache_key(full, featurizer)
     root = Path(cfg.cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     final = root / key
@@ -206,7 +230,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
                     raise DataError(
                         f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
                     )
-                _build(cfg, key, final)
+                _build(full, featurizer, key, final)
     try:
         meta = json.loads((final / "meta.json").read_text())
         eval_examples = []

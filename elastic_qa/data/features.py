@@ -8,10 +8,11 @@ holds all of it; in any other window, and for unanswerable questions, the target
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from elastic_qa.config import DataConfig
+from elastic_qa.config import Config, DataConfig
 from elastic_qa.data.squad import QAExample
 from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
 
@@ -20,14 +21,23 @@ from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
 class Features:
     """Column arrays, one row per window (memory-mappable: plain numpy, no Python objects)."""
 
-    input_ids: np.ndarray  # int32 [N, L], PAD after the last token
+    input_ids: np.ndarray  # int32 [N, L], the tokenizer's padding id after the last token
+    lengths: np.ndarray  # int32 [N]: real tokens in each window (padding follows them; no left padding)
     segment_ids: np.ndarray  # int8 [N, L]: 0 question, 1 context
     start_positions: np.ndarray  # int32 [N]: any max_seq_len DataConfig accepts (int16 stopped at 32767)
     end_positions: np.ndarray  # int32 [N]
     example_index: np.ndarray  # int32 [N]: which example a window came from
     offsets: np.ndarray  # int32 [N, L, 2]: character span of context tokens, -1 elsewhere
 
-    COLUMNS = ("input_ids", "segment_ids", "start_positions", "end_positions", "example_index", "offsets")
+    COLUMNS = (
+        "input_ids",
+        "lengths",
+        "segment_ids",
+        "start_positions",
+        "end_positions",
+        "example_index",
+        "offsets",
+    )
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -45,6 +55,30 @@ def features_for(examples: list[QAExample], cfg: DataConfig) -> Features:
     return build_features(examples, tokenizer_for(cfg), cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
 
 
+class BuiltinFeaturizer:
+    """The built-in tokenizers' windows (`data.tokenizer`): what the native model reads."""
+
+    @staticmethod
+    def tokenizer(cfg: Config) -> Tokenizer:
+        return tokenizer_for(cfg.data)
+
+    @staticmethod
+    def features(examples: list[QAExample], cfg: Config) -> Features:
+        return features_for(examples, cfg.data)
+
+    @staticmethod
+    def cache_identity(cfg: Config) -> dict[str, Any]:
+        data = cfg.data
+        return {
+            "tokenizer": data.tokenizer,
+            "vocab_size": data.vocab_size if data.tokenizer == "word" else None,
+            "lowercase": data.lowercase if data.tokenizer == "word" else None,
+            "max_seq_len": data.max_seq_len,
+            "max_query_len": data.max_query_len,
+            "doc_stride": data.doc_stride,
+        }
+
+
 def build_features(
     examples: list[QAExample],
     tokenizer: Tokenizer,
@@ -52,7 +86,7 @@ def build_features(
     max_query_len: int,
     doc_stride: int,
 ) -> Features:
-    rows_ids, rows_seg, rows_off, starts, ends, owners = [], [], [], [], [], []
+    rows_ids, rows_len, rows_seg, rows_off, starts, ends, owners = [], [], [], [], [], [], []
     for example_index, example in enumerate(examples):
         q_ids = tokenizer.encode(example.question)[0][:max_query_len]
         c_ids, c_spans = tokenizer.encode(example.context)
@@ -73,6 +107,7 @@ def build_features(
                 end = answer[1] - window_start + len(head)
             pad = max_seq_len - len(ids)
             rows_ids.append(ids + [PAD] * pad)
+            rows_len.append(len(ids))
             rows_seg.append([0] * len(head) + [1] * (len(ids) - len(head)) + [0] * pad)
             rows_off.append(offsets + [(-1, -1)] * pad)
             starts.append(start)
@@ -83,6 +118,7 @@ def build_features(
             window_start += room - doc_stride
     return Features(
         input_ids=np.asarray(rows_ids, dtype=np.int32),
+        lengths=np.asarray(rows_len, dtype=np.int32),
         segment_ids=np.asarray(rows_seg, dtype=np.int8),
         start_positions=np.asarray(starts, dtype=np.int32),
         end_positions=np.asarray(ends, dtype=np.int32),

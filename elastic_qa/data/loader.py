@@ -21,7 +21,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elastic_qa.data.cursor import GlobalCursor, rank_slice
 from elastic_qa.data.features import Features
-from elastic_qa.data.tokenizer import PAD
 
 # torchdata 0.11 calls a deprecated torch API on every loader start; the warning is not actionable.
 warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
@@ -93,12 +92,12 @@ def collate(features: Features, rows: np.ndarray, key: RankBatchKey | None = Non
     With a key, also the trainer's bookkeeping: step, epoch, global_count, global_tokens, indices, weights.
     """
     ids = features.input_ids[rows]
-    real = ids != PAD
-    lengths = real.sum(axis=1)
+    lengths = np.asarray(features.lengths[rows])
     width = int(lengths.max())
+    real = np.arange(width)[None, :] < lengths[:, None]  # padding follows the real tokens
     batch: dict[str, Any] = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :width])).long(),
-        "attention_mask": torch.from_numpy(np.ascontiguousarray(real[:, :width])).long(),
+        "attention_mask": torch.from_numpy(real).long(),
         "token_type_ids": torch.from_numpy(np.ascontiguousarray(features.segment_ids[rows, :width])).long(),
         "start_positions": torch.from_numpy(features.start_positions[rows].astype(np.int64)),
         "end_positions": torch.from_numpy(features.end_positions[rows].astype(np.int64)),
@@ -131,7 +130,7 @@ def build_train_loader(
     num_workers: int,
     pin_memory: bool = False,
 ) -> StatefulDataLoader:
-    lengths = (features.input_ids != PAD).sum(axis=1)  # one pass at start-up, not per step
+    lengths = np.asarray(features.lengths)  # the cached column: no pass over the tokens at start-up
     sampler = RankBatchSampler(cursor, first_step, last_step, rank, world_size, lengths)
     return StatefulDataLoader(
         FeatureBatches(features),

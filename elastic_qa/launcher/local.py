@@ -40,6 +40,7 @@ from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.processes import alive, python_env
 from elastic_qa.launcher.rendezvous import MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import CrashLoopDetector, LogFollower, read_events
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 
@@ -181,7 +182,7 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     try:
         if cfg.log.tensorboard:
             TensorBoardScalars.check_installed()
-        prepare(cfg.data)
+        prepare(cfg, family_for(cfg.model))
     except (DataError, ConfigError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None

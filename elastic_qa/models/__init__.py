@@ -40,7 +40,12 @@ class ModelFamily:
     tokenizer: Callable[[Config], Tokenizer]
     """cfg -> the tokenizer the model reads."""
     features: Callable[[list[QAExample], Config], Features]
-    """(examples, cfg) -> their windows, tokenised for the model."""
+    """(examples, cfg) -> their windows, tokenised for the model. A pure function of one batch of examples
+    (`example_index` counts within the batch), so that preparation may call it batch by batch, in any
+    process, and concatenate the results."""
+    cache_identity: Callable[[Config], dict[str, Any]]
+    """cfg -> everything besides the input data that changes what `features` produces (tokenizer identity,
+    e.g. a hash of its files, and window settings), JSON-serialisable: part of the feature cache's key."""
     span_loss: Callable[..., torch.Tensor]
     """(start_logits, end_logits, start_positions, end_positions, weights) -> weighted sum over windows."""
     span_loss_per_window: Callable[..., torch.Tensor]
@@ -52,6 +57,7 @@ FAMILIES: dict[str, ModelFamily] = {
         build_model=native.build_model,
         tokenizer=native.tokenizer,
         features=native.features,
+        cache_identity=native.cache_identity,
         span_loss=span_loss,
         span_loss_per_window=span_loss_per_window,
     ),

@@ -8,9 +8,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elastic_qa.config import Config, ModelConfig
-from elastic_qa.data.features import Features, features_for
-from elastic_qa.data.squad import QAExample
-from elastic_qa.data.tokenizer import PAD, SEP, Tokenizer, tokenizer_for
+from elastic_qa.data.features import BuiltinFeaturizer
+from elastic_qa.data.tokenizer import PAD, SEP
 
 # Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
 _MASKED = -1e4
@@ -131,9 +130,7 @@ def build_model(cfg: Config, vocab_size: int) -> SpanQA:
     return SpanQA(vocab_size, cfg.model)
 
 
-def tokenizer(cfg: Config) -> Tokenizer:
-    return tokenizer_for(cfg.data)
-
-
-def features(examples: list[QAExample], cfg: Config) -> Features:
-    return features_for(examples, cfg.data)
+# The built-in tokenizers' windows.
+tokenizer = BuiltinFeaturizer.tokenizer
+features = BuiltinFeaturizer.features
+cache_identity = BuiltinFeaturizer.cache_identity

@@ -26,6 +26,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.data.cache import prepare
 from elastic_qa.launcher.processes import alive
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,7 @@ def assert_nothing_lost(
     """Exactly-once, every checkpoint valid, exactly `restarts` regroups each losing at most `max_lost` steps,
     and the final parameters of the fault-free run."""
     cfg = run_config(run_dir)
-    num_samples = len(prepare(cfg.data).train)
+    num_samples = len(prepare(cfg, family_for(cfg.model)).train)
     ledger = check_ledger(run_dir, cfg, num_samples)
     assert ledger.ok, ledger.problems
     assert ledger.steps == MAX_STEPS
@@ -95,7 +96,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict
     job = run_job(run_dir, cache_dir)
     assert finish(job) == 0
     cfg = run_config(run_dir)
-    ledger = check_ledger(run_dir, cfg, len(prepare(cfg.data).train))
+    ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
     assert ledger.ok, ledger.problems
     step, params = final_parameters(cfg)
     assert step == MAX_STEPS
