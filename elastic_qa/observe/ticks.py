@@ -8,6 +8,7 @@ range (one value) is padded first, so a single point sits in the middle of a sen
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -68,19 +69,19 @@ def nice_ticks(
 def log_ticks(lo: float, hi: float) -> tuple[list[float], float | None]:
     """Ticks of a log axis covering [lo, hi] (both > 0), and their linear step if they have one: powers
     of ten (every second or more over many decades), with 2 and 5, then every digit, between them over
-    few; within less than a decade, linear 1-2-5 ticks. The range widens to the outer ticks."""
+    few; within about a decade, where neither fits, linear 1-2-5 ticks. The range widens to the outer
+    ticks."""
     lo, hi = padded_range(lo, hi, log=True)
     low, high = math.floor(math.log10(lo) + 1e-9), math.ceil(math.log10(hi) - 1e-9)
-    if high - low >= MAX_TICKS:
-        stride = math.ceil((high - low) / (MAX_TICKS - 1))
-        start = math.floor(low / stride) * stride
-        return [_decimal(1, e) for e in range(start, high + stride, stride) if e - stride < high], None
+    if high - low >= MAX_TICKS:  # every second power of ten or fewer, at multiples of the stride
+        stride = next(s for s in itertools.count(2) if math.ceil(high / s) - math.floor(low / s) < MAX_TICKS)
+        return [_decimal(1, e) for e in range(math.floor(low / stride) * stride, high + stride, stride)], None
     for mantissas in ((1,), (1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
         ticks = [_decimal(m, e) for e in range(low, high) for m in mantissas] + [_decimal(1, high)]
         # Only the ticks inside, plus one on each side: the axis ends near the data.
         first = max(i for i, t in enumerate(ticks) if t <= lo * (1 + 1e-9))
         last = min(i for i, t in enumerate(ticks) if t >= hi * (1 - 1e-9))
-        if last - first + 1 >= MIN_TICKS:
+        if MIN_TICKS <= last - first + 1 <= MAX_TICKS:
             return ticks[first : last + 1], None
     ticks, step = nice_ticks(lo, hi)
     return [t for t in ticks if t > 0], step
