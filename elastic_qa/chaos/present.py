@@ -204,7 +204,7 @@ def _faults_table(rows: list[dict[str, Any]], records: list[dict[str, Any]], t0:
         fault_rows.append(
             f"<tr class='{'bad' if ok is False else ''}'><td class='n'>{number}</td>"
             f"<td class='name'>{escape(row['fault'])}</td>"
-            f"<td class='n'>{escape(plain(row.get('step', '—')))}</td>"
+            f"<td class='n'>{'—' if row.get('step') is None else escape(plain(row['step']))}</td>"
             f"<td class='n'>{when}</td><td>{escape(plain(record.get('target', '')))}</td>"
             f"<td class='n'>{row['lost']}{bound}</td><td class='n'>{_recovery(row)}</td>"
             f"<td>{_badge(ok, row['verdict'])}</td><td>{escape(row.get('note') or '')}</td></tr>"

@@ -96,12 +96,35 @@ def _axis(
     )
 
 
-def line_chart(
+def line_chart(title: str, series: Sequence[Series], x_label: str, y_label: str, **options) -> str:
+    """One chart as a <figure> whose <svg> scales to the container's width. Options: `log_y`, `x_range`
+    and `y_range` (fixed axis ranges), `markers`, `gaps` (x intervals shaded, which no line crosses)
+    with `gap_label`, `step_lines` (levels: a count held until the next point), `height`, and `wide`:
+    across the page, twice as wide in the viewBox so that text keeps its size; it also carries a
+    half-width drawing that a narrow window shows instead (CSS, no script)."""
+    wide = options.pop("wide", False)
+    drawing = _svg(title, series, x_label, y_label, width=WIDTH, **options)
+    if not drawing:
+        return (
+            f'<figure class="chart"><figcaption>{escape(title)}</figcaption><p class="empty">no data</p>'
+            + ("</figure>")
+        )
+    if not wide:
+        return f'<figure class="chart">{drawing}</figure>'
+    across = _svg(title, series, x_label, y_label, width=2 * WIDTH, **options).replace(
+        "<svg ", '<svg class="across" ', 1
+    )
+    narrow = drawing.replace("<svg ", '<svg class="narrow" ', 1)
+    return f'<figure class="chart wide">{across}{narrow}</figure>'
+
+
+def _svg(
     title: str,
     series: Sequence[Series],
     x_label: str,
     y_label: str,
     *,
+    width: int,
     log_y: bool = False,
     x_range: tuple[float, float] | None = None,
     y_range: tuple[float, float] | None = None,
@@ -109,14 +132,9 @@ def line_chart(
     gaps: Sequence[tuple[float, float]] = (),
     gap_label: str = "",
     step_lines: bool = False,
-    wide: bool = False,
     height: int = 280,
 ) -> str:
-    """One chart as an <svg> that scales to its container's width (`wide`: across the page). `gaps`
-    (x intervals) are shaded and no line crosses them; `step_lines` draws levels (a count held until
-    the next point)."""
-    width = 2 * WIDTH if wide else WIDTH
-    figure = '<figure class="chart wide">' if wide else '<figure class="chart">'
+    """The <svg> of a chart `width` units wide, or "" when there is nothing to draw."""
     finite = [
         Series(s.label, [(x, y) for x, y in s.points if math.isfinite(x) and math.isfinite(y)], *s[2:])
         for s in series
@@ -125,8 +143,11 @@ def line_chart(
         finite = [Series(s.label, [(x, y) for x, y in s.points if y > 0], *s[2:]) for s in finite]
     points = [p for s in finite for p in s.points]
     if not points:
-        return f'{figure}<figcaption>{escape(title)}</figcaption><p class="empty">no data</p></figure>'
-    x0, x1, x_ticks, x_text = _axis([x for x, _ in points] + [m.x for m in markers], x_range, x=True)
+        return ""
+    marked = [m.x for m in markers if math.isfinite(m.x)]
+    if x_range is not None and marked:  # a fault after the last log line still shows
+        x_range = (min(x_range[0], *marked), max(x_range[1], *marked))
+    x0, x1, x_ticks, x_text = _axis([x for x, _ in points] + marked, x_range, x=True)
     y_values = [y for _, y in points] + ([0.0] if step_lines else [])  # counts: from zero
     y0, y1, y_ticks, y_text = _axis(y_values, y_range, log=log_y, integer=step_lines)
     if log_y:
@@ -153,7 +174,7 @@ def line_chart(
         return bottom - (value - y0) / (y1 - y0) * (bottom - top)
 
     parts = [
-        f'{figure}<svg viewBox="0 0 {width} {height}" width="100%" role="img" '
+        f'<svg viewBox="0 0 {width} {height}" width="100%" role="img" '
         f'xmlns="http://www.w3.org/2000/svg" font-family="system-ui, sans-serif" font-size="{FONT}">',
         f"<title>{escape(title)}</title>",
         f'<text x="8" y="16" font-weight="600" font-size="{FONT + 2}">{escape(title)}</text>',
@@ -206,7 +227,7 @@ def line_chart(
     parts += legend
     for s in finite:
         parts += _draw_series(s, px, py, gaps, step_lines)
-    parts.append("</svg></figure>")
+    parts.append("</svg>")
     return "".join(parts)
 
 
@@ -226,7 +247,7 @@ def _draw_series(s: Series, px, py, gaps: Sequence[tuple[float, float]], step_li
         )
     if len(s.points) <= 30 and not step_lines:  # few points (evaluations): dots, so that a single one shows
         parts += [
-            f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{s.stroke + 1.5:.1f}" fill="{s.colour}">'
+            f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{3 + (s.stroke - 1.6) / 2:.1f}" fill="{s.colour}">'
             f"<title>{escape(s.label)}: {y:.4g} at {x:g}</title></circle>"
             for x, y in s.points
         ]

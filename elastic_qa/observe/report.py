@@ -38,7 +38,8 @@ h1{font-size:22px;margin:0 0 2px} h2{font-size:17px;margin:26px 0 10px}
 .warn{background:#fff2d4;color:#875800} .muted{color:#5d6475}
 .charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:14px}
 .chart{margin:0;background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:6px}
-.chart.wide{grid-column:1/-1} .chart svg{display:block}
+.chart.wide{grid-column:1/-1} .chart svg{display:block} .chart svg.narrow{display:none}
+@media (max-width:1110px){.chart svg.across{display:none} .chart svg.narrow{display:block}}
 .empty{color:#5d6475;margin:8px}
 table{border-collapse:collapse;background:#fff;width:100%;border:1px solid #e1e4e8}
 th,td{text-align:left;padding:6px 10px;border-bottom:1px solid #e8eaee;vertical-align:top}
@@ -168,7 +169,7 @@ def _charts(
             str(i) if tagged else "",
         )
         for i, f in enumerate(faults, start=1)
-        if isinstance(f.get("ts"), (int, float))
+        if isinstance(f.get("ts"), (int, float)) and not f.get("skipped")
     ]
     world = [
         Series("world size", [(run.start, run.world_size), (run.end, run.world_size)], "#222", i == 0, 2.2)
