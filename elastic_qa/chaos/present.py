@@ -199,7 +199,9 @@ def _faults_table(rows: list[dict[str, Any]], records: list[dict[str, Any]], t0:
     for number, row in enumerate(rows, start=1):
         record = records[number - 1] if number - 1 < len(records) else {}
         ok = None if row["verdict"] == "skipped" else row["verdict"] != "FAIL"
-        when = "—" if t0 is None or not isinstance(row.get("ts"), (int, float)) else f"{row['ts'] - t0:.1f}"
+        when = "—"  # a skipped fault's time is when the runner gave up on it: not an injection
+        if t0 is not None and isinstance(row.get("ts"), (int, float)) and ok is not None:
+            when = f"{row['ts'] - t0:.1f}"
         bound = f" (≤ {row['bound']})" if row.get("bound") is not None else ""
         fault_rows.append(
             f"<tr class='{'bad' if ok is False else ''}'><td class='n'>{number}</td>"

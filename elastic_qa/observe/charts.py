@@ -237,7 +237,8 @@ def _draw_series(s: Series, px, py, gaps: Sequence[tuple[float, float]], step_li
     points = sorted(s.points)
     if step_lines:  # a level holds until the next point
         points = [q for a, b in itertools.pairwise(points) for q in (a, (b[0], a[1]))] + [points[-1]]
-    pieces = _split_at_gaps(points, gaps, None if step_lines else _typical_spacing(points))
+    # Where the gaps are known (time axes), only they cut a line: a few slow steps are not an absence.
+    pieces = _split_at_gaps(points, gaps, None if step_lines or gaps else _typical_spacing(points))
     parts = []
     for piece in pieces:
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in piece)

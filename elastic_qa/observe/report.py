@@ -124,16 +124,17 @@ def _charts(
     step_range = (0.0, float(max([*steps, max_steps or 0, 1])))
     rank0 = [r for r in events if r.get("event") == "step" and r.get("rank") == 0]
 
-    loss = [
+    loss = []
+    if reference_dir is not None:  # first and wide, so that a run that matches it shows on top of it
+        reference = [
+            r for r in read_events(Path(reference_dir)) if r.get("event") == "step" and r.get("rank") == 0
+        ]
+        loss.append(Series("fault-free reference", _latest_per_step(reference, "loss"), "#c8c8c8", stroke=5))
+    loss += [
         Series(f"rank {rank}", pts, COLOURS[rank % len(COLOURS)])
         for rank, pts in _per_rank(events, "rank_loss").items()
     ]
     loss.append(Series("global (all-reduced)", _latest_per_step(rank0, "loss"), "#222"))
-    if reference_dir is not None:
-        reference = [
-            r for r in read_events(Path(reference_dir)) if r.get("event") == "step" and r.get("rank") == 0
-        ]
-        loss.append(Series("fault-free reference", _latest_per_step(reference, "loss"), "#999"))
     resumes = [
         Marker(run.first_step, f"attempt {run.attempt} started at step {run.first_step}", "#888")
         for run in runs
