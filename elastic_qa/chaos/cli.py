@@ -54,8 +54,9 @@ def _schedule(args: argparse.Namespace, cfg: Config) -> tuple[list[Fault], dict[
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from elastic_qa.chaos.present import format_table, write_report
     from elastic_qa.chaos.runner import reference_run, run_schedule
-    from elastic_qa.chaos.verify import format_table, verify_run, write_report
+    from elastic_qa.chaos.verify import verify_run
 
     run_dir = Path(args.run_dir)
     overrides = [*args.overrides, f"run.dir={run_dir}"]
@@ -92,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from elastic_qa.chaos.verify import format_table, verify_run, write_report
+    from elastic_qa.chaos.present import format_table, write_report
+    from elastic_qa.chaos.verify import verify_run
 
     reference = Path(args.reference) if args.reference else None
     verdict = verify_run(Path(args.run_dir), reference)

@@ -74,7 +74,6 @@ SHORT_RUN_STEPS = 500
 __all__ = [
     "Verdict",
     "corrupted_steps",
-    "format_table",
     "judge_faults",
     "resumed_from_corrupted",
     "verify_run",
@@ -240,53 +239,3 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
     ok, detail = _reference_comparison(cfg, all_events, reference_dir)
     verdict.add("matches_reference", ok, detail)
     return verdict
-
-
-def format_table(verdict: Verdict) -> str:
-    lines = [f"{'fault':<22}{'step':>6}{'lost':>6}{'recovery_s':>12}  verdict"]
-    for row in verdict.faults:
-        recovery = "-" if row["recovery_s"] is None else f"{row['recovery_s']:.1f}"
-        note = f"  ({row['note']})" if row["note"] else ""
-        lines.append(
-            f"{row['fault']:<22}{row['step'] if row['step'] is not None else '-':>6}"
-            f"{row['lost']:>6}{recovery:>12}  {row['verdict']}{note}"
-        )
-    lines.append("")
-    for name, check in verdict.checks.items():
-        detail = check["detail"]
-        if name == "matches_reference" and isinstance(detail, dict) and "relative" in detail:
-            detail = (
-                f"{detail.get('rule')}: relative diff {detail['relative']:.3g}, max abs "
-                f"{detail['max_abs']:.3g}, bitwise {detail['bitwise_equal']}, worlds {detail['world_sizes']}"
-            )
-        lines.append(f"{'PASS' if check['ok'] else 'FAIL'}  {name}: {detail}")
-    counts = verdict.checks.get("faults_injected", {}).get("detail", {})
-    injected = sum(row["verdict"] != "skipped" for row in verdict.faults)
-    requested = (
-        counts.get("requested", len(verdict.faults)) if isinstance(counts, dict) else len(verdict.faults)
-    )
-    lines.append(
-        f"\nfaults injected: {injected} of {requested} requested, skipped: {len(verdict.faults) - injected}"
-    )
-    lines.append(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
-    return "\n".join(lines)
-
-
-def write_report(run_dir: Path, verdict: Verdict, reference_dir: Path | None) -> tuple[Path, Path]:
-    from elastic_qa.observe.report import render_report
-
-    out_dir = Path(run_dir) / "chaos"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts = verdict.checks.get("faults_injected", {}).get("detail", {})
-    report = {
-        "ok": verdict.ok,
-        "faults_requested": counts.get("requested"),
-        "faults_injected": counts.get("injected"),
-        "checks": verdict.checks,
-        "faults": verdict.faults,
-    }
-    json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(report, indent=1, default=str))
-    summary = "<pre>" + format_table(verdict).replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
-    page = render_report(Path(run_dir), out_dir / "report.html", reference_dir, read_faults(run_dir), summary)
-    return json_path, page

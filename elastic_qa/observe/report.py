@@ -1,138 +1,265 @@
-"""Render a run into one self-contained HTML page (inline SVG, no scripts, no network).
+"""Render a run into one self-contained HTML page (inline SVG and CSS, no scripts, no network).
 
-Charts: loss per rank (and a reference run's, when given), gradient norm per rank, learning rate,
-samples/s, world size over time with restarts, checkpoint commits and fault markers, eval EM/F1.
-`elastic-qa report RUN_DIR` and the chaos verifier both use this renderer.
+The page opens with a summary (result, steps, wall time, world sizes, restarts, checkpoints, key config),
+then charts: loss per rank, world size over time (shaded where no worker ran, with checkpoint commits and
+fault markers), evaluation, learning rate, gradient norm, samples/s; then one row per attempt.
+`elastic-qa report RUN_DIR` and the chaos verifier (which puts its verdict on top) both use it.
 """
 
 from __future__ import annotations
 
-import html
-import itertools
+import datetime
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.observe.charts import Marker, Series, line_chart
+from elastic_qa.observe.charts import escape as _esc
 from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.summary import attempts, duration, idle_gaps, read_config, run_summary
 
-_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-Series = tuple[str, list[tuple[float, float]], str]  # label, points, colour
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+FAULT_TAGS_UP_TO = 20  # more faults than this are marked by ticks alone (numbers would overlap)
 
-
-def _scale(values: Sequence[float], low: float, high: float) -> tuple[float, float, float]:
-    """The data range to draw (widened when flat) and pixels per unit: (lo, hi, scale)."""
-    lo, hi = min(values), max(values)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
-    return lo, hi, (high - low) / (hi - lo)
-
-
-def _runs(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
-    """Sorted points cut where x jumps by more than 5x the usual spacing (a rank absent for a while):
-    a line across the gap would draw values that were never measured."""
-    gaps = sorted(b[0] - a[0] for a, b in itertools.pairwise(points))
-    if len(gaps) < 2:
-        return [points]
-    limit = 5 * max(gaps[len(gaps) // 2], 1e-12)
-    runs = [[points[0]]]
-    for previous, point in itertools.pairwise(points):
-        if point[0] - previous[0] > limit:
-            runs.append([])
-        runs[-1].append(point)
-    return runs
-
-
-def line_chart(
-    title: str,
-    series: list[Series],
-    x_label: str,
-    markers: Sequence[tuple[float, str, str]] = (),
-    log_y: bool = False,
-    step_lines: bool = False,
-    width: int = 760,
-    height: int = 220,
-) -> str:
-    """An SVG line chart; markers are vertical lines (x, label, colour)."""
-    import math
-
-    left, right, top, bottom = 60, width - 10, 24, height - 34
-    points = [p for _, pts, _ in series for p in pts]
-    if not points:
-        return f"<h3>{html.escape(title)}</h3><p>(no data)</p>"
-    ys = [math.log10(max(y, 1e-12)) if log_y else y for _, y in points]
-    xs = [x for x, _ in points] + [m[0] for m in markers]
-    if step_lines:  # counts (world size): draw from zero so a flat line reads as a level, not noise
-        ys = [*ys, 0.0]
-    x0, x_max, xk = _scale(xs, left, right)
-    y0, y_max, yk = _scale(ys, 0, bottom - top)
-
-    def px(x: float) -> float:
-        return left + (x - x0) * xk
-
-    def py(y: float) -> float:
-        value = math.log10(max(y, 1e-12)) if log_y else y
-        return bottom - (value - y0) * yk
-
-    parts = [
-        f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" '
-        f'font-family="sans-serif" font-size="11">',
-        f'<text x="{left}" y="14" font-weight="bold">{html.escape(title)}</text>',
-        f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#999"/>',
-        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#999"/>',
-    ]
-    for frac in (0.0, 0.5, 1.0):
-        value = y0 + frac * (y_max - y0)
-        label = f"{10**value:.3g}" if log_y else f"{value:.4g}"
-        parts.append(
-            f'<text x="{left - 4}" y="{bottom - frac * (bottom - top) + 4:.1f}" '
-            f'text-anchor="end">{label}</text>'
-        )
-    for frac, anchor in ((0.0, "start"), (0.5, "middle"), (1.0, "end")):
-        value = x0 + frac * (x_max - x0)
-        parts.append(
-            f'<text x="{left + frac * (right - left):.1f}" y="{bottom + 14}" '
-            f'text-anchor="{anchor}">{value:.4g}</text>'
-        )
-    parts.append(
-        f'<text x="{(left + right) / 2}" y="{height - 4}" text-anchor="middle">{html.escape(x_label)}</text>'
-    )
-    for x, label, colour in markers:
-        parts.append(
-            f'<line x1="{px(x):.1f}" y1="{top}" x2="{px(x):.1f}" y2="{bottom}" stroke="{colour}" '
-            f'stroke-dasharray="3,3"><title>{html.escape(label)}</title></line>'
-        )
-    for index, (label, pts, colour) in enumerate(series):
-        if not pts:
-            continue
-        pts = sorted(pts)
-        if step_lines:
-            path = []
-            for (xa, ya), (xb, _) in zip(pts, [*pts[1:], pts[-1]], strict=True):
-                path += [(xa, ya), (xb, ya)]
-            pts = path
-        for run in [pts] if step_lines else _runs(pts):
-            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
-            parts.append(
-                f'<polyline fill="none" stroke="{colour}" stroke-width="1.4" points="{coords}">'
-                f"<title>{html.escape(label)}</title></polyline>"
-            )
-        if len(pts) <= 30:  # few points (evaluations): dots, so that a single one shows
-            parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in pts]
-        parts.append(
-            f'<text x="{right - 4}" y="{top + 12 * (index + 1)}" text-anchor="end" '
-            f'fill="{colour}">{html.escape(label)}</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+STYLE = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;padding:20px 28px;
+ color:#1d2330;background:#f7f8fa}
+h1{font-size:22px;margin:0 0 2px} h2{font-size:17px;margin:26px 0 10px}
+.sub{color:#5d6475;margin:0 0 16px;overflow-wrap:anywhere}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(165px,1fr));gap:12px}
+.card{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:10px 14px}
+.k{font-size:12px;text-transform:uppercase;letter-spacing:.04em;color:#5d6475}
+.v{font-size:20px;font-weight:600;margin-top:2px;overflow-wrap:anywhere}
+.s{font-size:13px;color:#5d6475}
+.badge{display:inline-block;padding:1px 10px;border-radius:12px;font-weight:600;font-size:14px;
+ vertical-align:middle}
+.ok{background:#e2f3e6;color:#17692f} .fail{background:#fbe3e3;color:#a11d1d}
+.warn{background:#fff2d4;color:#875800} .muted{color:#5d6475}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:14px}
+.chart{margin:0;background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:6px}
+.chart.wide{grid-column:1/-1} .chart svg{display:block} .chart svg.narrow{display:none}
+@media (max-width:1110px){.chart svg.across{display:none} .chart svg.narrow{display:block}}
+.empty{color:#5d6475;margin:8px}
+table{border-collapse:collapse;background:#fff;width:100%;border:1px solid #e1e4e8}
+th,td{text-align:left;padding:6px 10px;border-bottom:1px solid #e8eaee;vertical-align:top}
+th{font-size:12px;text-transform:uppercase;letter-spacing:.03em;color:#5d6475;background:#f1f3f6}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.config th{width:11em;white-space:nowrap} tr.bad td{background:#fff5f5}
+ul.plain{margin:0;padding-left:18px} td.name{white-space:nowrap}
+details{margin-top:10px} summary{cursor:pointer;color:#1f5fa8;margin-bottom:8px}
+"""
 
 
-def _per_rank(events: list[dict], event: str, field: str, x: str = "step") -> dict[int, list]:
-    series: dict[int, list] = defaultdict(list)
+def _latest_per_step(rows: list[dict], field: str) -> list[tuple[float, float]]:
+    """(step, value) of the last time each step ran: a replayed step shows what training kept."""
+    by_step = {row["step"]: row[field] for row in rows if field in row and isinstance(row.get("step"), int)}
+    return sorted(by_step.items())
+
+
+def _per_rank(events: list[dict], field: str) -> dict[int, list[tuple[float, float]]]:
+    rows: dict[int, list[dict]] = defaultdict(list)
     for row in events:
-        if row.get("event") == event and field in row:
-            series[row.get("rank", 0)].append((row[x], row[field]))
-    return series
+        if row.get("event") == "step":
+            rows[row.get("rank", 0)].append(row)
+    return {rank: _latest_per_step(rank_rows, field) for rank, rank_rows in sorted(rows.items())}
+
+
+def _card(key: str, value: str, small: str = "") -> str:
+    small_html = f'<div class="s">{small}</div>' if small else ""
+    return f'<div class="card"><div class="k">{key}</div><div class="v">{value}</div>{small_html}</div>'
+
+
+def summary_html(facts: dict[str, Any]) -> str:
+    """The summary cards and the key config, as HTML (every value escaped)."""
+    result = facts["result"]
+    if result is None:
+        outcome = _card("Final EM / F1 (%)", "—", "no evaluation ran")
+    else:
+        where = f"at step {result['step']}" + ("" if facts["result_is_final"] else " (last evaluation)")
+        loss = f"eval loss {result['loss']:.4g} " if isinstance(result.get("loss"), float) else ""
+        scores = f"{100 * result['em']:.1f} / {100 * result['f1']:.1f}"
+        outcome = _card("Final EM / F1 (%)", scores, loss + where)
+    status = (
+        '<span class="badge ok">finished</span>'
+        if facts["finished"]
+        else ('<span class="badge warn">not finished</span>')
+    )
+    of = f" of {facts['max_steps']}" if facts["max_steps"] else ""
+    sequence = facts["world_sizes"]
+    worlds = (
+        " → ".join(str(w) for w in sequence)
+        if len(sequence) <= 5
+        else ", ".join(str(w) for w in sorted(set(sequence)))
+    )
+    idle = f"no worker ran for {duration(facts['idle_s'])} in all" if facts["idle_s"] else "no pause"
+    last = facts["last_checkpoint"]
+    plural = "" if facts["attempts"] == 1 else "s"
+    speed = facts["samples_per_s"]
+    started = _esc(facts["started"].replace("T", " ").rstrip("Z")[:19] + " UTC") if facts["started"] else ""
+    cards = [
+        outcome,
+        _card("Steps", f"{facts['step']}{of}", status),
+        _card("Wall time", duration(facts["wall_s"]), f"started {started}" if started else ""),
+        _card("World sizes", _esc(worlds or "—"), f"{facts['attempts']} attempt{plural}"),
+        _card("Restarts", str(facts["restarts"]), idle),
+        _card("Checkpoints", str(facts["checkpoints"]), f"last at step {last}" if last is not None else ""),
+        _card("Samples/s", f"{speed:.0f}" if speed else "—", "median of rank 0's log lines"),
+    ]
+    config = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in facts["config"])
+    config_html = f'<h2>Configuration</h2><table class="config">{config}</table>' if config else ""
+    return f'<div class="cards">{"".join(cards)}</div>{config_html}'
+
+
+def _charts(
+    events: list[dict], config: dict, reference_dir: Path | None, faults: Sequence[dict[str, Any]]
+) -> list[str]:
+    t0, end = events[0]["ts"], events[-1]["ts"] - events[0]["ts"]
+    runs = attempts(events, t0)
+    gaps = idle_gaps(runs, end)
+    max_steps = (
+        (config.get("train") or {}).get("max_steps") if isinstance(config.get("train"), dict) else None
+    )
+    steps = [r["step"] for r in events if r.get("event") == "step" and isinstance(r.get("step"), int)]
+    step_range = (0.0, float(max([*steps, max_steps or 0, 1])))
+    rank0 = [r for r in events if r.get("event") == "step" and r.get("rank") == 0]
+
+    loss = []
+    if reference_dir is not None:  # first and wide, so that a run that matches it shows on top of it
+        reference = [
+            r for r in read_events(Path(reference_dir)) if r.get("event") == "step" and r.get("rank") == 0
+        ]
+        loss.append(Series("fault-free reference", _latest_per_step(reference, "loss"), "#c8c8c8", stroke=5))
+    loss += [
+        Series(f"rank {rank}", pts, COLOURS[rank % len(COLOURS)])
+        for rank, pts in _per_rank(events, "rank_loss").items()
+    ]
+    loss.append(Series("global (all-reduced)", _latest_per_step(rank0, "loss"), "#222"))
+    resumes = [
+        Marker(run.first_step, f"attempt {run.attempt} started at step {run.first_step}", "#888")
+        for run in runs
+        if run.first_step
+    ]
+    charts = [
+        line_chart(
+            "Loss per rank (ranks are renumbered at each restart)",
+            loss,
+            "step",
+            "loss",
+            log_y=True,
+            x_range=step_range,
+            markers=resumes,
+            wide=True,
+            height=340,
+        )
+    ]
+
+    tagged = len(faults) <= FAULT_TAGS_UP_TO
+    markers = [
+        Marker(
+            r["ts"] - t0, f"checkpoint of step {r.get('step')} committed ({r.get('reason', '')})", "#2ca02c"
+        )
+        for r in events
+        if r.get("event") == "checkpoint_committed"
+    ]
+    markers += [
+        Marker(
+            f["ts"] - t0,
+            f"fault {i}: {f['fault']} {f.get('target', '')}",
+            "#d62728",
+            str(i) if tagged else "",
+        )
+        for i, f in enumerate(faults, start=1)
+        if isinstance(f.get("ts"), (int, float)) and not f.get("skipped")
+    ]
+    world = [
+        Series("world size", [(run.start, run.world_size), (run.end, run.world_size)], "#222", i == 0, 2.2)
+        for i, run in enumerate(r for r in runs if r.world_size)
+    ]
+    title = "World size over time (green ticks: checkpoint commits" + (", red: faults)" if faults else ")")
+    charts.append(
+        line_chart(
+            title,
+            world,
+            "seconds since the run started",
+            "workers",
+            x_range=(0.0, end),
+            y_range=(0.0, max((run.world_size for run in runs), default=0) + 1.0),
+            markers=markers,
+            gaps=gaps,
+            gap_label="no worker",
+            step_lines=True,
+            wide=True,
+            height=250,
+        )
+    )
+    evals = [r for r in events if r.get("event") == "eval" and "em" in r]
+    charts.append(
+        line_chart(
+            "Evaluation",
+            [
+                Series("EM", _latest_per_step(evals, "em"), COLOURS[0], stroke=4.5),
+                Series("F1", _latest_per_step(evals, "f1"), COLOURS[3]),
+            ],
+            "step",
+            "score (1 = every answer right)",
+            x_range=step_range,
+            y_range=(0.0, 1.0),
+        )
+    )
+    charts.append(
+        line_chart(
+            "Learning rate",
+            [Series("lr", _latest_per_step(rank0, "lr"), COLOURS[0])],
+            "step",
+            "learning rate",
+            x_range=step_range,
+        )
+    )
+    norms = [
+        Series(f"rank {rank}", pts, COLOURS[rank % len(COLOURS)])
+        for rank, pts in _per_rank(events, "grad_norm").items()
+    ]
+    charts.append(
+        line_chart(
+            "Gradient norm (of the all-reduced gradient: ranks agree unless one diverged)",
+            norms,
+            "step",
+            "gradient norm",
+            log_y=True,
+            x_range=step_range,
+        )
+    )
+    speed = [(r["ts"] - t0, r["samples_per_s"]) for r in rank0 if r.get("samples_per_s")]
+    charts.append(
+        line_chart(
+            "Throughput",
+            [Series("samples/s", speed, COLOURS[2])],
+            "seconds since the run started",
+            "samples/s (all ranks)",
+            x_range=(0.0, end),
+            gaps=gaps,
+            gap_label="no worker",
+        )
+    )
+    return charts
+
+
+def _attempts_table(events: list[dict]) -> str:
+    rows = []
+    for run in attempts(events, events[0]["ts"]):
+        first = "—" if run.first_step is None else run.first_step
+        last = "—" if run.last_step is None else run.last_step
+        rows.append(
+            f"<tr><td class='n'>{run.attempt}</td><td class='n'>{run.world_size}</td>"
+            f"<td class='n'>{run.start:.1f}</td><td class='n'>{run.end:.1f}</td>"
+            f"<td class='n'>{first}</td><td class='n'>{last}</td><td>{_esc(run.ending)}</td></tr>"
+        )
+    head = (
+        "<tr><th>attempt</th><th>world size</th><th>first line (s)</th><th>last line (s)</th>"
+        "<th>from step</th><th>last logged step</th><th>how it ended</th></tr>"
+    )
+    return f"<h2>Attempts</h2><table>{head}{''.join(rows)}</table>"
 
 
 def render_report(
@@ -140,119 +267,35 @@ def render_report(
     out: Path | None = None,
     reference_dir: Path | None = None,
     faults: Sequence[dict[str, Any]] = (),
-    summary_html: str = "",
+    header_html: str = "",
+    title: str = "Run report",
 ) -> Path:
+    """Write the page (default <run_dir>/report.html) and return its path. `header_html` (already
+    escaped HTML, e.g. the chaos verdict) goes above the run's own summary."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir)
+    events = [e for e in read_events(run_dir) if isinstance(e.get("ts"), (int, float))]
     if not events:
         raise FileNotFoundError(f"{run_dir}/logs holds no log lines")
-    t0 = events[0]["ts"]
-    sections = [f"<h1>elastic_qa run {html.escape(str(run_dir))}</h1>", summary_html]
-
-    losses = _per_rank(events, "step", "rank_loss")
-    global_loss = [(r["step"], r["loss"]) for r in events if r.get("event") == "step" and r.get("rank") == 0]
-    series: list[Series] = [
-        (f"rank {rank} loss", pts, _COLOURS[rank % len(_COLOURS)]) for rank, pts in sorted(losses.items())
+    config = read_config(run_dir)
+    made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    heading = f"{title}: {run_dir.resolve().name}"
+    body = [
+        f"<h1>{_esc(heading)}</h1>",
+        f'<p class="sub">{_esc(run_dir.resolve())} · rendered {made}</p>',
+        header_html,
+        "<h2>Run</h2>" if header_html else "",
+        summary_html(run_summary(events, config)),
+        "<h2>Charts</h2>",
+        '<div class="charts">',
+        *_charts(events, config, reference_dir, faults),
+        "</div>",
+        _attempts_table(events),
     ]
-    series.append(("global loss (rank 0)", global_loss, "#000"))
-    if reference_dir is not None:
-        reference = [
-            (r["step"], r["loss"])
-            for r in read_events(Path(reference_dir))
-            if r.get("event") == "step" and r.get("rank") == 0
-        ]
-        series.append(("reference run", reference, "#aaa"))
-    sections.append(
-        line_chart("Loss per rank (ranks are renumbered at each restart)", series, "step", log_y=True)
-    )
-
-    norms = _per_rank(events, "step", "grad_norm")
-    sections.append(
-        line_chart(
-            "Gradient norm per rank (of the all-reduced gradient: ranks agree unless one diverged)",
-            [(f"rank {rank}", pts, _COLOURS[rank % len(_COLOURS)]) for rank, pts in sorted(norms.items())],
-            "step",
-            log_y=True,
-        )
-    )
-    sections.append(
-        line_chart(
-            "Learning rate",
-            [
-                (
-                    "lr",
-                    [(r["step"], r["lr"]) for r in events if r.get("event") == "step" and r.get("rank") == 0],
-                    _COLOURS[0],
-                )
-            ],
-            "step",
-        )
-    )
-    sections.append(
-        line_chart(
-            "Samples/s (global)",
-            [
-                (
-                    "samples/s",
-                    [
-                        (r["ts"] - t0, r["samples_per_s"])
-                        for r in events
-                        if r.get("event") == "step" and r.get("rank") == 0 and r.get("samples_per_s")
-                    ],
-                    _COLOURS[2],
-                )
-            ],
-            "seconds since start",
-        )
-    )
-
-    world = [
-        (r["ts"] - t0, r["world_size"])
-        for r in events
-        if r.get("event") == "worker_start" and r.get("rank") == 0
-    ]
-    markers = [
-        (r["ts"] - t0, f"checkpoint step {r['step']} ({r.get('reason')})", "#2ca02c")
-        for r in events
-        if r.get("event") == "checkpoint_committed"
-    ]
-    markers += [
-        (f["ts"] - t0, f"{f['fault']}: {f.get('target', '')}", "#d62728") for f in faults if "ts" in f
-    ]
-    end = events[-1]["ts"] - t0
-    sections.append(
-        line_chart(
-            "World size over time (green: checkpoint commits, red: faults)",
-            [("world size", [*world, (end, world[-1][1])] if world else [], "#000")],
-            "seconds since start",
-            markers=markers,
-            step_lines=True,
-        )
-    )
-    evals = [r for r in events if r.get("event") == "eval"]
-    sections.append(
-        line_chart(
-            "Evaluation",
-            [
-                ("EM", [(r["step"], r["em"]) for r in evals], _COLOURS[0]),
-                ("F1", [(r["step"], r["f1"]) for r in evals], _COLOURS[1]),
-            ],
-            "step",
-        )
-    )
-    restarts = [r for r in events if r.get("event") == "worker_start" and r.get("rank") == 0]
-    rows = "".join(
-        f"<tr><td>{r['attempt']}</td><td>{r['ts'] - t0:.1f}</td><td>{r['world_size']}</td></tr>"
-        for r in restarts
-    )
-    sections.append(
-        f"<h3>Attempts</h3><table border=1 cellpadding=3><tr><th>attempt</th><th>start (s)</th>"
-        f"<th>world size</th></tr>{rows}</table>"
-    )
     page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>elastic_qa report</title></head>"
-        "<body style='font-family:sans-serif;max-width:800px'>" + "".join(sections) + "</body></html>"
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{_esc(heading)}</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>"
     )
     out = out or run_dir / "report.html"
-    out.write_text(page)
+    out.write_text(page, encoding="utf-8")
     return out

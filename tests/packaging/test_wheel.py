@@ -96,6 +96,15 @@ def test_the_wheel_holds_the_package_and_its_configs_and_no_checkout_tree(wheel:
     assert not missing  # e.g. a subpackage without __init__.py, or package data not declared
 
 
+def test_the_wheel_carries_the_license_text_it_declares(wheel: Path) -> None:
+    archive = zipfile.ZipFile(wheel)
+    (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+    headers = archive.read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    shipped = archive.read(metadata.replace("METADATA", "licenses/LICENSE"))
+    assert shipped == (REPO / "LICENSE").read_bytes() and b"END OF TERMS AND CONDITIONS" in shipped
+
+
 def test_the_installed_package_is_the_wheel_and_claims_no_generic_name(
     venv: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
