@@ -20,36 +20,52 @@ FIXTURES = Path(__file__).parent / "fixtures"
 FAMILY = family_for(ModelConfig())
 
 
-def brute_force(start: torch.Tensor, end: torch.Tensor, max_answer_len: int) -> tuple[float, int, int]:
+def brute_force(
+    start: torch.Tensor, end: torch.Tensor, context: torch.Tensor, max_answer_len: int
+) -> tuple[float, int, int]:
     best = (float("-inf"), -1, -1)
-    for s in range(1, len(start)):
+    for s in range(len(start)):
         for e in range(s, min(len(start), s + max_answer_len)):
             score = float(start[s] + end[e])
-            if score > best[0]:
+            if context[s] and context[e] and score > best[0]:
                 best = (score, s, e)
     return best
 
 
 @pytest.mark.parametrize("max_answer_len", [1, 3, 30])
-def test_best_spans_finds_the_best_allowed_span(max_answer_len):
+def test_best_spans_with_every_candidate_finds_the_best_allowed_span(max_answer_len):
     generator = torch.Generator().manual_seed(max_answer_len)
     start, end = torch.randn(16, 12, generator=generator), torch.randn(16, 12, generator=generator)
-    best, s_tok, e_tok, null = best_spans(start, end, max_answer_len)
+    context = torch.rand(16, 12, generator=generator) > 0.3
+    context[:, 0] = False
+    context[:, 5] = True  # every window has a context token
+    best, s_tok, e_tok, null = best_spans(start, end, context, max_answer_len, n_best=12)
     for row in range(16):
-        score, s, e = brute_force(start[row], end[row], max_answer_len)
+        score, s, e = brute_force(start[row], end[row], context[row], max_answer_len)
         assert (int(s_tok[row]), int(e_tok[row])) == (s, e)
         assert float(best[row]) == pytest.approx(score)
-        assert 0 < s_tok[row] <= e_tok[row] < s_tok[row] + max_answer_len
     torch.testing.assert_close(null, start[:, 0] + end[:, 0])
 
 
-def test_best_spans_never_picks_cls_even_when_it_scores_highest():
-    start, end = torch.zeros(1, 6), torch.zeros(1, 6)
-    start[0, 0] = end[0, 0] = 100.0
-    start[0, 4], end[0, 2] = 5.0, 5.0  # end before start: not a span
-    best, s_tok, e_tok, null = best_spans(start, end, 4)
-    assert int(s_tok[0]) > 0 and int(e_tok[0]) > 0
-    assert int(s_tok[0]) <= int(e_tok[0])
+def test_best_spans_pairs_only_the_n_best_starts_and_ends():
+    start, end = torch.zeros(1, 8), torch.zeros(1, 8)
+    start[0, 1:7] = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 5.0])  # the best start (6) has no end after it
+    end[0, 1:7] = torch.tensor([0.0, 3.0, 0.0, 0.0, 0.0, 0.0])
+    end[0, 5] = 2.5
+    context = torch.ones(1, 8, dtype=torch.bool)
+    context[0, 0] = context[0, 7] = False
+    best, s_tok, e_tok, _ = best_spans(start, end, context, 30, n_best=2)
+    assert (int(s_tok[0]), int(e_tok[0]), float(best[0])) == (1, 2, 4.0)
+
+
+def test_best_spans_never_picks_a_token_outside_the_context_even_when_it_scores_highest():
+    start, end = torch.zeros(1, 8), torch.zeros(1, 8)
+    start[0, 0] = end[0, 0] = 100.0  # [CLS]
+    start[0, 2] = end[0, 3] = 50.0  # question tokens
+    start[0, 6], end[0, 5] = 5.0, 5.0  # end before start: not a span
+    context = torch.tensor([[False, False, False, False, True, True, True, True]])
+    best, s_tok, e_tok, null = best_spans(start, end, context, 4)
+    assert 4 <= int(s_tok[0]) <= int(e_tok[0])
     assert float(null[0]) == 200.0
     assert float(best[0]) == 5.0
 
@@ -58,10 +74,17 @@ def test_best_spans_respects_the_longest_answer():
     start, end = torch.zeros(1, 10), torch.zeros(1, 10)
     start[0, 1], end[0, 9] = 10.0, 10.0  # a 9-token span
     end[0, 3] = 4.0
-    _, s_tok, e_tok, _ = best_spans(start, end, 3)
+    context = torch.ones(1, 10, dtype=torch.bool)
+    context[0, 0] = False
+    _, s_tok, e_tok, _ = best_spans(start, end, context, 3)
     assert (int(s_tok[0]), int(e_tok[0])) == (1, 3)
-    _, s_tok, e_tok, _ = best_spans(start, end, 9)
+    _, s_tok, e_tok, _ = best_spans(start, end, context, 9)
     assert (int(s_tok[0]), int(e_tok[0])) == (1, 9)
+
+
+def test_a_window_without_a_context_token_has_no_span():
+    best, _, _, _ = best_spans(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bool), 3)
+    assert torch.isinf(best).all() and (best < 0).all()
 
 
 class _Example:
