@@ -231,7 +231,9 @@ def _official_eval(golds, preds, na_probs):
         }
 
     out = make(exact_raw, f1_raw, list(golds))
-    for prefix, qids in (("HasAns", [k for k, v in has_ans.items() if v]), ("NoAns", [k for k, v in has_ans.items() if not v])):  # fmt: skip
+    has_ans_qids = [k for k, v in has_ans.items() if v]
+    no_ans_qids = [k for k, v in has_ans.items() if not v]
+    for prefix, qids in (("HasAns", has_ans_qids), ("NoAns", no_ans_qids)):
         if qids:
             out.update({f"{prefix}_{k}": v for k, v in make(exact_raw, f1_raw, qids).items()})
 
