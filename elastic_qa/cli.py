@@ -79,12 +79,12 @@ def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[list[
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    device = _device()
-    loaded = load_for_prediction(args.checkpoint, device)
-    cfg = loaded.cfg
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
+    device = _device()
+    loaded = load_for_prediction(args.checkpoint, device)
+    cfg = loaded.cfg
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
     examples, features = _eval_data(args, loaded)
     predictions, _ = predict(
