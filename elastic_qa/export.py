@@ -104,6 +104,8 @@ def load_exported(directory: Path, device: torch.device) -> PredictionModel:
     try:
         record = json.loads((directory / EXPORT_FILE).read_text())
         files, step = dict(record["files"]), int(record["step"])
+        if CONFIG_FILE not in files:
+            raise ValueError(f"it lists no {CONFIG_FILE}")
         if record["format"] != EXPORT_FORMAT:
             raise ValueError(f"format {record['format']!r}, this version reads {EXPORT_FORMAT}")
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -146,6 +148,10 @@ def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionMo
         raise UsageError(f"--out {out}: exists and is not a directory")
     if not force and not _empty_or_absent(out):
         raise UsageError(f"--out {out}: not empty (pass --force to replace it)")
+    if "://" not in path and Path(path).resolve().is_relative_to(out.resolve()):
+        raise UsageError(
+            f"--out {out}: holds the checkpoint being exported ({path}); choose another directory"
+        )
     loaded = model_from_checkpoint(load_checkpoint(path), torch.device("cpu"))
     out = out.absolute()
     staging = out.parent / f".{out.name}.export-{os.getpid()}"

@@ -89,6 +89,16 @@ def test_export_refuses_a_non_empty_directory_and_replaces_it_only_with_force(
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_export_never_replaces_the_directory_that_holds_its_checkpoint(
+    trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    before = sorted(p.name for p in (trained / "checkpoints").iterdir())
+    for out in (trained, trained / "checkpoints"):
+        code, _, err = run_main(capsys, "export", str(trained / "checkpoints"), "--out", str(out), "--force")
+        assert code == 2 and "holds the checkpoint" in err
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == before
+
+
 def test_export_of_a_bad_checkpoint_leaves_a_non_empty_out_untouched_even_with_force(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
