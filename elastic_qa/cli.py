@@ -1,8 +1,10 @@
 """`elastic-qa`: the commands around training.
 
     elastic-qa prepare [--config CFG] [overrides]       tokenise once into the memory-mapped cache
-    elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint (newest valid in a dir)
-    elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
+    elastic-qa eval --checkpoint PATH [--data FILE] [--out DIR] [--null-threshold X] [--json]
+                                                        SQuAD v2 scores; predictions.json, null_odds.json
+    elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
+    elastic-qa export PATH --out DIR [--force]         weights + config, no training state
     elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
     elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
@@ -16,55 +18,26 @@ Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_of
-from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict, resolve_config
+from elastic_qa.checkpoint.store import CheckpointError
+from elastic_qa.config import ConfigError, resolve_config
 from elastic_qa.data.cache import prepare
+from elastic_qa.data.features import Features
 from elastic_qa.data.squad import DataError, QAExample, read_squad
-from elastic_qa.evaluate import answers_from_windows, evaluate, predict_windows
+from elastic_qa.evaluate import predict
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
-from elastic_qa.models import ModelFamily, family_for
+from elastic_qa.export import PredictionModel, export_checkpoint, load_for_prediction
+from elastic_qa.metrics import best_thresholds, squad_v2_scores
+from elastic_qa.models import family_for
 from elastic_qa.observe.log import configure_logging
-
-
-def load_checkpoint(path: str) -> LoadedCheckpoint:
-    """A step directory, or the newest valid checkpoint of a checkpoint directory (path or URL)."""
-    store = CheckpointStore(path.rstrip("/"))
-    checkpointer = Checkpointer(CheckpointConfig(), store)
-    if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
-        parent, _, name = store.root.rpartition("/")
-        step = step_of(name) or 0
-        return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
-            store.root, step
-        )
-    loaded = checkpointer.load_newest()
-    if loaded is None:
-        raise UsageError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {path}`)")
-    return loaded
-
-
-def model_from_checkpoint(
-    loaded: LoadedCheckpoint, device: torch.device
-) -> tuple[torch.nn.Module, Config, ModelFamily]:
-    """The checkpoint's model in eval mode on `device`, the config it was trained with, and its family."""
-    try:
-        cfg = config_from_dict(loaded.trainer["config"])
-        family = family_for(cfg.model)
-    except (ConfigError, KeyError, TypeError) as err:
-        raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
-    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size)
-    try:
-        model.load_state_dict(loaded.model)
-    except RuntimeError as err:
-        raise UsageError(f"{loaded.path}: model weights do not fit the stored config: {err}") from None
-    # map_location="cpu" at load time, then here to wherever we run: works for GPU-trained checkpoints.
-    return model.to(device).eval(), cfg, family
 
 
 def _device() -> torch.device:
@@ -87,39 +60,98 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    device = _device()
-    loaded = load_checkpoint(args.checkpoint)
-    model, cfg, family = model_from_checkpoint(loaded, device)
+def _write_json(path: Path, value: Any) -> None:
+    """Written aside and renamed into place: an interrupted write leaves the previous file whole."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(value, ensure_ascii=False, indent=2) + "\n")
+    staging.replace(path)
+
+
+def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[list[QAExample], Features]:
+    cfg, family = loaded.cfg, loaded.family
     if args.data:
         examples, _ = read_squad(args.data, cfg.data.skip_malformed)
-        features = family.features(examples, cfg)
-    else:
-        data = prepare(cfg, family_for(cfg.model))
-        if data.eval is None:
-            raise UsageError("the checkpoint's data has no evaluation split: pass --data FILE")
-        examples, features = data.eval_examples, data.eval
-    scores = evaluate(
-        model, family, features, examples, cfg.train.eval_batch_size, cfg.data.max_answer_len, device
-    )
+        return examples, family.features(examples, cfg)
+    data = prepare(cfg, family)
+    if data.eval is None:
+        raise UsageError(f"{loaded.source}: its data has no evaluation split: pass --data FILE")
+    return data.eval_examples, data.eval
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    device = _device()
+    loaded = load_for_prediction(args.checkpoint, device)
+    cfg = loaded.cfg
+    threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
+    examples, features = _eval_data(args, loaded)
+    predictions, _ = predict(
+        loaded.model, loaded.family, features, examples, cfg.train.eval_batch_size,
+        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
+    )  # fmt: skip
+    golds = {e.id: [a.text for a in e.answers] for e in examples}
+    answers = {qid: p.answer for qid, p in predictions.items()}
+    null_odds = {qid: p.null_odds for qid, p in predictions.items()}
+    scores = squad_v2_scores(answers, golds, cfg.eval.cjk_tokens)
+    # Searched over each question's best span: the answer it gets at any threshold above its null_odds.
+    spans = {qid: p.span for qid, p in predictions.items()}
+    scores.update(best_thresholds(spans, golds, null_odds, cfg.eval.cjk_tokens))
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "predictions.json", answers)
+    _write_json(out / "null_odds.json", null_odds)
+    if args.json:
+        print(json.dumps({"source": loaded.source, "step": loaded.step, "null_threshold": threshold,
+                          "predictions": str(out / "predictions.json"),
+                          "null_odds": str(out / "null_odds.json"), **scores}))  # fmt: skip
+        return 0
+    print(f"{loaded.source}: {scores['total']} questions, null threshold {threshold:g}")
+    for prefix, name in (("", "all"), ("HasAns_", "HasAns"), ("NoAns_", "NoAns")):
+        if f"{prefix}total" in scores:
+            print(
+                f"  {name:<7} EM {scores[prefix + 'exact']:6.2f}  F1 {scores[prefix + 'f1']:6.2f}"
+                f"  ({scores[prefix + 'total']} questions)"
+            )
     print(
-        f"checkpoint {loaded.path} (step {loaded.step}): EM {scores['em']:.4f}  F1 {scores['f1']:.4f}  "
-        f"on {scores['count']} questions"
+        f"  best    EM {scores['best_exact']:6.2f} at null threshold {scores['best_exact_thresh']:g}"
+        f"  F1 {scores['best_f1']:6.2f} at {scores['best_f1_thresh']:g}"
     )
+    print(f"wrote {out / 'predictions.json'} and {out / 'null_odds.json'}")
     return 0
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
     device = _device()
-    loaded = load_checkpoint(args.checkpoint)
-    model, cfg, family = model_from_checkpoint(loaded, device)
+    loaded = load_for_prediction(args.checkpoint, device)
+    cfg = loaded.cfg
+    threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
     example = QAExample("ask", args.question, args.context, ())
-    features = family.features([example], cfg)
-    windows = predict_windows(
-        model, family, features, range(len(features)), 64, cfg.data.max_answer_len, device
-    )
-    answer = answers_from_windows(windows, [example])["ask"]
-    print(answer if answer else "(no answer in the context)")
+    features = loaded.family.features([example], cfg)
+    predictions, _ = predict(
+        loaded.model, loaded.family, features, [example], cfg.train.eval_batch_size,
+        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
+    )  # fmt: skip
+    p = predictions["ask"]
+    if args.json:
+        answered = bool(p.answer)
+        print(json.dumps({
+            "answer": p.answer,
+            "start": p.start_char if answered else None,
+            "end": p.end_char if answered else None,
+            "score": p.score,
+            "null_odds": p.null_odds,
+            "null_threshold": threshold,
+            "best_span": {"text": p.span, "start": p.start_char, "end": p.end_char} if p.span else None,
+        }, ensure_ascii=False))  # fmt: skip
+        return 0
+    print(p.answer if p.answer else "(no answer in the context)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    exported = export_checkpoint(args.checkpoint, Path(args.out), force=args.force)
+    print(f"exported {exported.source} ({exported.cfg.model.kind} model) to {args.out}")
     return 0
 
 
@@ -141,13 +173,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
     p.add_argument("--config", default="default")
     p.add_argument("overrides", nargs="*")
-    p = sub.add_parser("eval", help="EM/F1 of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (newest valid) or step-N")
+    model_help = "run directory, checkpoint directory (newest valid), step-N directory or exported directory"
+    p = sub.add_parser("eval", help="SQuAD v2 EM/F1 of a model; writes predictions.json and null_odds.json")
+    p.add_argument("--checkpoint", required=True, help=model_help)
     p.add_argument("--data", help="SQuAD JSON to evaluate on (default: the run's evaluation split)")
+    p.add_argument("--out", default=".", help="directory for predictions.json and null_odds.json (default .)")
+    p.add_argument(
+        "--null-threshold", type=float, help="no answer when null_odds exceed this (eval.null_threshold)"
+    )
+    p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     p = sub.add_parser("ask", help="answer one question from a context")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help=model_help)
     p.add_argument("--context", required=True)
     p.add_argument("--question", required=True)
+    p.add_argument(
+        "--null-threshold", type=float, help="no answer when null_odds exceed this (eval.null_threshold)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="answer, character span (end exclusive), score, null_odds"
+    )
+    p = sub.add_parser(
+        "export", help="weights and config of a checkpoint, loadable without the training state"
+    )
+    p.add_argument(
+        "checkpoint", help="run directory, checkpoint directory (newest valid) or step-N directory"
+    )
+    p.add_argument("--out", required=True, help="directory to create (must be empty or absent)")
+    p.add_argument(
+        "--force", action="store_true", help="replace a non-empty --out once the export is complete"
+    )
     p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
     p.add_argument("ckpt_command", choices=["list", "verify", "show"])
     p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
@@ -177,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             out = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
             print(out)
             return 0
-        handler = {"prepare": cmd_prepare, "eval": cmd_eval, "ask": cmd_ask, "ckpt": cmd_ckpt}[args.command]
+        handler = {
+            "prepare": cmd_prepare, "eval": cmd_eval, "ask": cmd_ask, "export": cmd_export, "ckpt": cmd_ckpt,
+        }[args.command]  # fmt: skip
         return handler(args)
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)

@@ -251,6 +251,20 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    n_best: int = 20
+    """Start and end candidates per window (the highest logits over context tokens) paired into spans."""
+    null_threshold: float = 0.0
+    """Predict no answer when null_odds (no-answer score minus best span score) exceeds this."""
+    cjk_tokens: bool = False
+    """Score CJK characters as one token each (CMRC-style); false is the official SQuAD v2 scoring."""
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.n_best <= _INT32_MAX, "n_best", self.n_best, "must be >= 1")
+        _require(math.isfinite(self.null_threshold), "null_threshold", self.null_threshold, "must be finite")
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = ""
     """Checkpoint directory as a path or fsspec URL; empty means <run.dir>/checkpoints."""
@@ -388,6 +402,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -7,6 +7,7 @@ once (every rank evaluating everything would count each question world-size time
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,29 +26,48 @@ from elastic_qa.models import ModelFamily, model_inputs
 @dataclass(frozen=True)
 class WindowPrediction:
     example_index: int
-    score: float  # best start+end logit of a real span
-    null_score: float  # start+end logit of [CLS]: "no answer here"
-    start_char: int
+    score: float  # best start+end logit of a span over context tokens (-inf: the window has none)
+    null_score: float  # start+end logit of position 0: "no answer here"
+    start_char: int  # the span's characters in the context, end exclusive (-1: no span)
     end_char: int
     loss: float = 0.0  # span loss of this window against its gold start/end
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """One question's answer, decided over all of its windows."""
+
+    answer: str  # "" when predicted unanswerable
+    span: str  # the best span's text, whatever the threshold ("" when no window has one)
+    start_char: int  # the best span in the context, end exclusive (-1 when there is none)
+    end_char: int
+    score: float  # the best span's start+end logit (0.0 when there is none)
+    null_odds: float  # the question's null score minus `score`: above the threshold means no answer
+
+
 def best_spans(
-    start_logits: torch.Tensor, end_logits: torch.Tensor, max_answer_len: int
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    context: torch.Tensor,
+    max_answer_len: int,
+    n_best: int = 20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per window: best score over spans start <= end < start + max_answer_len (excluding [CLS]),
-    its start and end token, and the null score."""
-    length = start_logits.shape[1]
-    scores = start_logits[:, :, None] + end_logits[:, None, :]
-    rows = torch.arange(length, device=scores.device)
-    allowed = (rows[None, :] >= rows[:, None]) & (rows[None, :] < rows[:, None] + max_answer_len)
-    allowed[0, :] = False
-    allowed[:, 0] = False
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    flat = scores.flatten(1).argmax(dim=1)
-    best = scores.flatten(1).gather(1, flat[:, None]).squeeze(1)
+    """Per window: the best span score, its start and end token, and the null score (position 0).
+
+    Spans pair the `n_best` highest start and end logits over context tokens (`context` [B, L] bool), with
+    start <= end and at most `max_answer_len` tokens; a window without such a span scores -inf. Pairing
+    top candidates costs O(n_best^2) per window instead of O(L^2).
+    """
     null = start_logits[:, 0] + end_logits[:, 0]
-    return best, flat // length, flat % length, null
+    k = min(n_best, start_logits.shape[1])
+    start_top, start_at = start_logits.masked_fill(~context, float("-inf")).topk(k, dim=1)
+    end_top, end_at = end_logits.masked_fill(~context, float("-inf")).topk(k, dim=1)
+    scores = start_top[:, :, None] + end_top[:, None, :]
+    tokens = end_at[:, None, :] - start_at[:, :, None] + 1
+    scores = scores.masked_fill((tokens < 1) | (tokens > max_answer_len), float("-inf"))
+    flat = scores.flatten(1).argmax(dim=1, keepdim=True)
+    best = scores.flatten(1).gather(1, flat).squeeze(1)
+    return best, start_at.gather(1, flat // k).squeeze(1), end_at.gather(1, flat % k).squeeze(1), null
 
 
 @torch.no_grad()
@@ -60,6 +80,7 @@ def predict_windows(
     max_answer_len: int,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    n_best: int = 20,
 ) -> list[WindowPrediction]:
     was_training = model.training
     model.eval()
@@ -68,22 +89,27 @@ def predict_windows(
         for first in range(rows.start, rows.stop, batch_size):
             index = np.arange(first, min(first + batch_size, rows.stop))
             batch = collate(features, index)
+            width = batch["input_ids"].shape[1]  # collate trims the batch to its longest window
+            offsets = np.asarray(features.offsets[index, :width])
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 start, end = model(**model_inputs(batch, device))
+            start, end = start.float(), end.float()
             losses = family.span_loss_per_window(
                 start, end, batch["start_positions"].to(device), batch["end_positions"].to(device)
-            ).cpu()
-            best, s_tok, e_tok, null = (t.cpu() for t in best_spans(start, end, max_answer_len))
+            ).tolist()
+            context = torch.from_numpy(offsets[:, :, 0] >= 0).to(device)
+            found = best_spans(start, end, context, max_answer_len, n_best)
+            best, s_tok, e_tok, null = (t.tolist() for t in found)  # one device-to-host copy each
             for j, row in enumerate(index):
-                offsets = features.offsets[row]
+                has_span = math.isfinite(best[j])
                 out.append(
                     WindowPrediction(
                         int(features.example_index[row]),
-                        float(best[j]),
-                        float(null[j]),
-                        int(offsets[s_tok[j], 0]),
-                        int(offsets[e_tok[j], 1]),
-                        float(losses[j]),
+                        best[j],
+                        null[j],
+                        int(offsets[j, s_tok[j], 0]) if has_span else -1,
+                        int(offsets[j, e_tok[j], 1]) if has_span else -1,
+                        losses[j],
                     )
                 )
     finally:
@@ -91,22 +117,38 @@ def predict_windows(
     return out
 
 
-def answers_from_windows(windows: list[WindowPrediction], examples: list[QAExample]) -> dict[str, str]:
-    """Per question: the best span over its windows, or "" when [CLS] beats every span (SQuAD v2)."""
+def predictions_from_windows(
+    windows: list[WindowPrediction], examples: list[QAExample], null_threshold: float = 0.0
+) -> dict[str, Prediction]:
+    """Per question id: the best span over its windows, and "" when its null_odds exceed the threshold.
+
+    The question's null score is the lowest over its windows: the window that holds the answer is the one
+    whose "not here" counts (every other window rightly says "not here").
+    """
     best: dict[int, WindowPrediction] = {}
     null: dict[int, float] = {}
     for w in windows:
         if w.start_char >= 0 and (w.example_index not in best or w.score > best[w.example_index].score):
             best[w.example_index] = w
         null[w.example_index] = min(null.get(w.example_index, float("inf")), w.null_score)
-    answers = {}
+    predictions = {}
     for index, example in enumerate(examples):
         choice = best.get(index)
-        if choice is None or null.get(index, float("-inf")) > choice.score:
-            answers[example.id] = ""
-        else:
-            answers[example.id] = example.context[choice.start_char : choice.end_char]
-    return answers
+        span, start, end, score = "", -1, -1, 0.0
+        if choice is not None:
+            span = example.context[choice.start_char : choice.end_char]
+            start, end, score = choice.start_char, choice.end_char, choice.score
+        null_odds = null.get(index, 0.0) - score
+        answer = "" if null_odds > null_threshold else span
+        predictions[example.id] = Prediction(answer, span, start, end, score, null_odds)
+    return predictions
+
+
+def answers_from_windows(
+    windows: list[WindowPrediction], examples: list[QAExample], null_threshold: float = 0.0
+) -> dict[str, str]:
+    """Per question id: its answer text ("" for no answer)."""
+    return {qid: p.answer for qid, p in predictions_from_windows(windows, examples, null_threshold).items()}
 
 
 def _gather_windows(
@@ -130,6 +172,42 @@ def _gather_windows(
     return merged
 
 
+def predict(
+    model: nn.Module,
+    family: ModelFamily,
+    features: Features,
+    examples: list[QAExample],
+    batch_size: int,
+    max_answer_len: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    n_best: int = 20,
+    null_threshold: float = 0.0,
+) -> tuple[dict[str, Prediction], float] | None:
+    """Every question's prediction and the mean window loss on rank 0 (None on other ranks); collective
+    when distributed."""
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    start, stop = rank_slice(len(features), world, rank)
+    mine = predict_windows(
+        model,
+        family,
+        features,
+        range(start, stop),
+        batch_size,
+        max_answer_len,
+        device,
+        autocast_dtype,
+        n_best,
+    )
+    if distributed:
+        mine = _gather_windows(mine, len(features), world, device)
+        if rank != 0:
+            return None
+    loss = sum(w.loss for w in mine) / max(len(mine), 1)
+    return predictions_from_windows(mine, examples, null_threshold), loss
+
+
 def evaluate(
     model: nn.Module,
     family: ModelFamily,
@@ -139,20 +217,27 @@ def evaluate(
     max_answer_len: int,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    n_best: int = 20,
+    null_threshold: float = 0.0,
+    cjk: bool = False,
 ) -> dict[str, float] | None:
-    """SQuAD EM/F1 and the mean window loss on rank 0 (None on other ranks); collective when distributed."""
-    distributed = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    start, stop = rank_slice(len(features), world, rank)
-    mine = predict_windows(
-        model, family, features, range(start, stop), batch_size, max_answer_len, device, autocast_dtype
+    """SQuAD EM/F1 (fractions), question count and mean window loss on rank 0 (None on other ranks)."""
+    result = predict(
+        model,
+        family,
+        features,
+        examples,
+        batch_size,
+        max_answer_len,
+        device,
+        autocast_dtype,
+        n_best,
+        null_threshold,
     )
-    if distributed:
-        mine = _gather_windows(mine, len(features), world, device)
-        if rank != 0:
-            return None
-    predictions = answers_from_windows(mine, examples)
+    if result is None:
+        return None
+    predictions, loss = result
     golds = {e.id: [a.text for a in e.answers] for e in examples}
-    scores = squad_scores(predictions, golds)
-    scores["loss"] = sum(w.loss for w in mine) / max(len(mine), 1)
+    scores = squad_scores({qid: p.answer for qid, p in predictions.items()}, golds, cjk)
+    scores["loss"] = loss
     return scores

@@ -270,6 +270,9 @@ class Trainer:
             self.cfg.data.max_answer_len,
             self.device,
             self.autocast_dtype,
+            n_best=self.cfg.eval.n_best,
+            null_threshold=self.cfg.eval.null_threshold,
+            cjk=self.cfg.eval.cjk_tokens,
         )
         if scores is not None:
             step = self.state.step

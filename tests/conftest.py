@@ -46,3 +46,11 @@ def tiny_config(tmp_path: Path, cache_dir: Path):
         return load_config(packaged_config("tiny"), tiny_overrides(tmp_path / "run", cache_dir, *overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """The run directory of one tiny training run with checkpoints at steps 10, 20 and 30 (read only)."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    train_tiny(run_dir, cache_dir, "train.max_steps=30", "checkpoint.every_steps=10")
+    return run_dir

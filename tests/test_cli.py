@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, train_tiny
+from elastic_qa.cli import main
+from elastic_qa.data.squad import read_squad
+from elastic_qa.metrics import squad_v2_scores
+from tests.conftest import FIXTURES
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "elastic_qa.cli", *args], capture_output=True, text=True, timeout=120
     )
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    run_dir = tmp_path_factory.mktemp("cli") / "run"
-    train_tiny(run_dir, cache_dir, "train.max_steps=30", "checkpoint.every_steps=10")
-    return run_dir
 
 
 def test_prepare_builds_the_cache_and_reports_its_size(tmp_path: Path) -> None:
@@ -31,24 +28,23 @@ def test_prepare_builds_the_cache_and_reports_its_size(tmp_path: Path) -> None:
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
 
 
-def test_eval_scores_the_newest_checkpoint_and_a_given_step(trained: Path) -> None:
-    newest = cli("eval", "--checkpoint", str(trained / "checkpoints"))
+def test_eval_scores_the_newest_checkpoint_and_a_given_step(trained: Path, tmp_path: Path) -> None:
+    newest = cli("eval", "--checkpoint", str(trained / "checkpoints"), "--out", str(tmp_path))
     assert newest.returncode == 0, newest.stderr
     assert "(step 30)" in newest.stdout and "EM" in newest.stdout
-    older = cli("eval", "--checkpoint", str(trained / "checkpoints" / "step-00000020"))
+    older = cli(
+        "eval", "--checkpoint", str(trained / "checkpoints" / "step-00000020"), "--out", str(tmp_path)
+    )
     assert older.returncode == 0 and "(step 20)" in older.stdout
 
 
-def test_eval_on_a_squad_file_with_an_unanswerable_and_a_chinese_question(trained: Path) -> None:
-    result = cli(
-        "eval",
-        "--checkpoint",
-        str(trained / "checkpoints"),
-        "--data",
-        str(FIXTURES / "squad-v2-handwritten.json"),
-    )
+def test_eval_on_a_squad_file_with_an_unanswerable_and_a_chinese_question(
+    trained: Path, tmp_path: Path
+) -> None:
+    data = FIXTURES / "squad-v2-handwritten.json"
+    result = cli("eval", "--checkpoint", str(trained), "--data", str(data), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert "questions" in result.stdout
+    assert "HasAns" in result.stdout and "NoAns" in result.stdout and "best" in result.stdout
 
 
 def test_ask_answers_from_the_context_or_says_there_is_no_answer(trained: Path) -> None:
@@ -77,3 +73,69 @@ def test_a_missing_checkpoint_is_one_clear_error_with_exit_2(args: tuple[str, ..
     result = cli(*args)
     assert result.returncode == 2
     assert result.stderr.startswith("elastic-qa:") and len(result.stderr.strip().splitlines()) == 1
+
+
+# ---- eval's files and ask --json, in process ------------------------------------------------------------
+
+
+def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_eval_writes_predictions_and_null_odds_in_the_official_format(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data = FIXTURES / "squad-v2-dev-sample.json"
+    examples, _ = read_squad(str(data))
+    args = ("--checkpoint", str(trained), "--data", str(data), "--out", str(tmp_path), "--json")
+    code, out, err = run_main(capsys, "eval", *args)
+    assert code == 0, err
+    predictions = json.loads((tmp_path / "predictions.json").read_text())
+    null_odds = json.loads((tmp_path / "null_odds.json").read_text())
+    assert set(predictions) == set(null_odds) == {e.id for e in examples}
+    assert all(isinstance(v, str) for v in predictions.values())
+    assert all(isinstance(v, float) for v in null_odds.values())
+    contexts = {e.id: e.context for e in examples}
+    for qid, answer in predictions.items():
+        assert (answer == "") == (null_odds[qid] > 0.0)  # eval.null_threshold's default
+        assert answer in contexts[qid]
+    scores = json.loads(out)
+    golds = {e.id: [a.text for a in e.answers] for e in examples}
+    assert scores["total"] == len(examples)
+    assert scores["HasAns_total"] + scores["NoAns_total"] == len(examples)
+    expected = squad_v2_scores(predictions, golds)
+    assert {k: scores[k] for k in expected} == pytest.approx(expected)
+    assert {"best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"} <= set(scores)
+
+
+def test_eval_null_threshold_overrides_the_config(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data = str(FIXTURES / "squad-v2-dev-sample.json")
+    args = ("--checkpoint", str(trained), "--data", data, "--out", str(tmp_path), "--null-threshold", "1e9")
+    code, _, err = run_main(capsys, "eval", *args)
+    assert code == 0, err
+    predictions = json.loads((tmp_path / "predictions.json").read_text())
+    assert all(predictions.values())  # every question answered: no null_odds exceed 1e9
+
+
+def test_ask_json_gives_the_answer_its_character_span_and_null_odds(
+    trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    context = "bako lives in rome . bako owns a red car ."
+    for threshold in ("-1e9", "1e9"):
+        args = ("--checkpoint", str(trained / "checkpoints"), "--context", context, "--json")
+        code, out, err = run_main(
+            capsys, "ask", *args, "--question", "where does bako live ?", f"--null-threshold={threshold}"
+        )
+        assert code == 0, err
+        reply = json.loads(out)
+        assert set(reply) == {"answer", "start", "end", "score", "null_odds", "null_threshold", "best_span"}
+        span = reply["best_span"]
+        assert context[span["start"] : span["end"]] == span["text"]
+        if threshold == "-1e9":  # nothing is answered
+            assert (reply["answer"], reply["start"], reply["end"]) == ("", None, None)
+        else:
+            assert reply["answer"] == span["text"] == context[reply["start"] : reply["end"]]

@@ -11,45 +11,69 @@ from torch import nn
 
 from elastic_qa.config import ModelConfig
 from elastic_qa.data.features import Features, build_features
-from elastic_qa.data.squad import read_squad
+from elastic_qa.data.squad import QAExample, read_squad
 from elastic_qa.data.tokenizer import PAD, WordTokenizer
-from elastic_qa.evaluate import WindowPrediction, answers_from_windows, best_spans, evaluate, predict_windows
+from elastic_qa.evaluate import (
+    WindowPrediction,
+    answers_from_windows,
+    best_spans,
+    evaluate,
+    predict,
+    predict_windows,
+)
 from elastic_qa.models import family_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILY = family_for(ModelConfig())
+CPU = torch.device("cpu")
 
 
-def brute_force(start: torch.Tensor, end: torch.Tensor, max_answer_len: int) -> tuple[float, int, int]:
+def brute_force(
+    start: torch.Tensor, end: torch.Tensor, context: torch.Tensor, max_answer_len: int
+) -> tuple[float, int, int]:
     best = (float("-inf"), -1, -1)
-    for s in range(1, len(start)):
+    for s in range(len(start)):
         for e in range(s, min(len(start), s + max_answer_len)):
             score = float(start[s] + end[e])
-            if score > best[0]:
+            if context[s] and context[e] and score > best[0]:
                 best = (score, s, e)
     return best
 
 
 @pytest.mark.parametrize("max_answer_len", [1, 3, 30])
-def test_best_spans_finds_the_best_allowed_span(max_answer_len):
+def test_best_spans_with_every_candidate_finds_the_best_allowed_span(max_answer_len):
     generator = torch.Generator().manual_seed(max_answer_len)
     start, end = torch.randn(16, 12, generator=generator), torch.randn(16, 12, generator=generator)
-    best, s_tok, e_tok, null = best_spans(start, end, max_answer_len)
+    context = torch.rand(16, 12, generator=generator) > 0.3
+    context[:, 0] = False
+    context[:, 5] = True  # every window has a context token
+    best, s_tok, e_tok, null = best_spans(start, end, context, max_answer_len, n_best=12)
     for row in range(16):
-        score, s, e = brute_force(start[row], end[row], max_answer_len)
+        score, s, e = brute_force(start[row], end[row], context[row], max_answer_len)
         assert (int(s_tok[row]), int(e_tok[row])) == (s, e)
         assert float(best[row]) == pytest.approx(score)
-        assert 0 < s_tok[row] <= e_tok[row] < s_tok[row] + max_answer_len
     torch.testing.assert_close(null, start[:, 0] + end[:, 0])
 
 
-def test_best_spans_never_picks_cls_even_when_it_scores_highest():
-    start, end = torch.zeros(1, 6), torch.zeros(1, 6)
-    start[0, 0] = end[0, 0] = 100.0
-    start[0, 4], end[0, 2] = 5.0, 5.0  # end before start: not a span
-    best, s_tok, e_tok, null = best_spans(start, end, 4)
-    assert int(s_tok[0]) > 0 and int(e_tok[0]) > 0
-    assert int(s_tok[0]) <= int(e_tok[0])
+def test_best_spans_pairs_only_the_n_best_starts_and_ends():
+    start, end = torch.zeros(1, 8), torch.zeros(1, 8)
+    start[0, 1:7] = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 5.0])  # the best start (6) has no end after it
+    end[0, 1:7] = torch.tensor([0.0, 3.0, 0.0, 0.0, 0.0, 0.0])
+    end[0, 5] = 2.5
+    context = torch.ones(1, 8, dtype=torch.bool)
+    context[0, 0] = context[0, 7] = False
+    best, s_tok, e_tok, _ = best_spans(start, end, context, 30, n_best=2)
+    assert (int(s_tok[0]), int(e_tok[0]), float(best[0])) == (1, 2, 4.0)
+
+
+def test_best_spans_never_picks_a_token_outside_the_context_even_when_it_scores_highest():
+    start, end = torch.zeros(1, 8), torch.zeros(1, 8)
+    start[0, 0] = end[0, 0] = 100.0  # [CLS]
+    start[0, 2] = end[0, 3] = 50.0  # question tokens
+    start[0, 6], end[0, 5] = 5.0, 5.0  # end before start: not a span
+    context = torch.tensor([[False, False, False, False, True, True, True, True]])
+    best, s_tok, e_tok, null = best_spans(start, end, context, 4)
+    assert 4 <= int(s_tok[0]) <= int(e_tok[0])
     assert float(null[0]) == 200.0
     assert float(best[0]) == 5.0
 
@@ -58,10 +82,17 @@ def test_best_spans_respects_the_longest_answer():
     start, end = torch.zeros(1, 10), torch.zeros(1, 10)
     start[0, 1], end[0, 9] = 10.0, 10.0  # a 9-token span
     end[0, 3] = 4.0
-    _, s_tok, e_tok, _ = best_spans(start, end, 3)
+    context = torch.ones(1, 10, dtype=torch.bool)
+    context[0, 0] = False
+    _, s_tok, e_tok, _ = best_spans(start, end, context, 3)
     assert (int(s_tok[0]), int(e_tok[0])) == (1, 3)
-    _, s_tok, e_tok, _ = best_spans(start, end, 9)
+    _, s_tok, e_tok, _ = best_spans(start, end, context, 9)
     assert (int(s_tok[0]), int(e_tok[0])) == (1, 9)
+
+
+def test_a_window_without_a_context_token_has_no_span():
+    best, _, _, _ = best_spans(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bool), 3)
+    assert torch.isinf(best).all() and (best < 0).all()
 
 
 class _Example:
@@ -167,3 +198,90 @@ def test_evaluate_of_a_subset_of_rows_is_not_double_counted():
         np.bincount([w.example_index for w in windows]).tolist()
         == np.bincount(features.example_index).tolist()
     )
+
+
+# ---- per-question predictions from crafted logits, through the real windows ----------------------------
+
+CONTEXT = " ".join(f"w{i}" for i in range(20))
+EXAMPLE = QAExample("q", "who is it ?", CONTEXT, ())
+
+
+class LogitTable(nn.Module):
+    """Returns the logits a test wrote for each window (found by its token ids); 0 where none were written."""
+
+    def __init__(self, features: Features) -> None:
+        super().__init__()
+        self.rows = {self.key(features.input_ids[r]): r for r in range(len(features))}
+        self.start = torch.zeros(features.input_ids.shape)
+        self.end = torch.zeros(features.input_ids.shape)
+
+    @staticmethod
+    def key(ids) -> tuple[int, ...]:
+        return tuple(int(i) for i in ids if i != PAD)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor):
+        rows = [self.rows[self.key(ids)] for ids in input_ids]
+        width = input_ids.shape[1]
+        return self.start[rows, :width], self.end[rows, :width]
+
+
+def windows_of(example: QAExample) -> Features:
+    # 9 context tokens per window, windows start at words 0, 7 and 14
+    return build_features([example], WordTokenizer(4096), 16, 4, 2)
+
+
+def position(features: Features, row: int, word: str) -> int:
+    char = CONTEXT.split().index(word)
+    char = len(" ".join(CONTEXT.split()[:char])) + (1 if char else 0)
+    return int(np.flatnonzero(features.offsets[row, :, 0] == char)[0])
+
+
+def predict_one(model: LogitTable, features: Features, **kwargs):
+    result = predict(model, FAMILY, features, [EXAMPLE], 2, kwargs.pop("max_answer_len", 30), CPU, **kwargs)
+    return result[0]["q"]
+
+
+def test_the_best_span_can_come_from_the_second_window():
+    features = windows_of(EXAMPLE)
+    assert len(features) == 3
+    model = LogitTable(features)
+    model.start[:, 0] = model.end[:, 0] = -1.0  # null score -2 in every window
+    model.start[0, position(features, 0, "w2")] = model.end[0, position(features, 0, "w2")] = 3.0
+    model.start[1, position(features, 1, "w10")] = 5.0
+    model.end[1, position(features, 1, "w11")] = 5.0
+    p = predict_one(model, features)
+    assert (p.answer, p.span, p.score, p.null_odds) == ("w10 w11", "w10 w11", 10.0, -12.0)
+    assert CONTEXT[p.start_char : p.end_char] == "w10 w11"
+
+
+def test_no_answer_when_the_null_score_beats_every_span_unless_the_threshold_allows_it():
+    features = windows_of(EXAMPLE)
+    model = LogitTable(features)
+    model.start[:, 0] = model.end[:, 0] = 10.0
+    model.start[0, position(features, 0, "w2")] = model.end[0, position(features, 0, "w2")] = 3.0
+    p = predict_one(model, features)
+    assert (p.answer, p.span, p.null_odds) == ("", "w2", 14.0)
+    assert predict_one(model, features, null_threshold=14.0).answer == "w2"
+    assert predict_one(model, features, null_threshold=13.9).answer == ""
+
+
+def test_the_answer_is_at_most_max_answer_len_tokens_long():
+    features = windows_of(EXAMPLE)
+    model = LogitTable(features)
+    model.start[:, 0] = model.end[:, 0] = -10.0
+    model.start[0, position(features, 0, "w1")] = 10.0
+    model.end[0, position(features, 0, "w8")] = 10.0
+    model.end[0, position(features, 0, "w3")] = 4.0
+    assert predict_one(model, features, max_answer_len=3).answer == "w1 w2 w3"
+    assert predict_one(model, features, max_answer_len=8).answer == "w1 w2 w3 w4 w5 w6 w7 w8"
+
+
+def test_a_span_never_covers_question_or_special_tokens():
+    features = windows_of(EXAMPLE)
+    model = LogitTable(features)
+    model.start[:, 0] = model.end[:, 0] = -10.0
+    model.start[:, 1:5] = model.end[:, 1:5] = 50.0  # the question's words
+    model.end[:, 15] = 60.0  # the closing [SEP] of a full window
+    model.start[2, position(features, 2, "w15")] = model.end[2, position(features, 2, "w16")] = 1.0
+    p = predict_one(model, features)
+    assert p.answer == "w15 w16"

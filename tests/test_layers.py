@@ -2,7 +2,7 @@
 
 0  the package root, config, exits
 1  dist, data, models, observe, checkpoint, metrics, debug
-2  state, optim, evaluate
+2  state, optim, evaluate, export
 3  elastic (control plane, session, fencing, signals, watchdog)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher (bench may use chaos and the launcher, chaos the
@@ -19,7 +19,7 @@ from tests.conftest import REPO
 LAYERS = {
     "elastic_qa": 0, "config": 0, "exits": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1,
-    "state": 2, "optim": 2, "evaluate": 2,
+    "state": 2, "optim": 2, "evaluate": 2, "export": 2,
     "elastic": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5,

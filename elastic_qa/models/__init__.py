@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,12 @@ class ModelFamily:
     """(start_logits, end_logits, start_positions, end_positions, weights) -> weighted sum over windows."""
     span_loss_per_window: Callable[..., torch.Tensor]
     """(start_logits, end_logits, start_positions, end_positions) -> loss per window."""
+    export: Callable[[nn.Module, Config, Path], None]
+    """(model, cfg, empty directory) -> writes the model's weights there (safetensors) and whatever else
+    loading it needs besides the resolved config, which `elastic-qa export` writes itself."""
+    load_export: Callable[[Config, Path], tuple[nn.Module, Config]]
+    """(cfg, exported directory) -> the model `export` wrote (on the CPU) and the config to predict with
+    (a family may point it at files in the directory, e.g. its tokenizer's)."""
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -60,6 +67,8 @@ FAMILIES: dict[str, ModelFamily] = {
         cache_identity=native.cache_identity,
         span_loss=span_loss,
         span_loss_per_window=span_loss_per_window,
+        export=native.export,
+        load_export=native.load_export,
     ),
 }
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from elastic_qa.config import Config, ModelConfig
 from elastic_qa.data.features import BuiltinFeaturizer
 from elastic_qa.data.tokenizer import PAD, SEP
+from elastic_qa.exits import UsageError
 
 # Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
 _MASKED = -1e4
@@ -128,6 +132,29 @@ class SpanQA(nn.Module):
 
 def build_model(cfg: Config, vocab_size: int) -> SpanQA:
     return SpanQA(vocab_size, cfg.model)
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UsageError("exported weights need safetensors: pip install safetensors") from None
+    return safetensors.torch
+
+
+def export(model: nn.Module, cfg: Config, out: Path) -> None:
+    """The weights as safetensors; the resolved config beside them says how to build and tokenise."""
+    weights = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    _safetensors().save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def load_export(cfg: Config, directory: Path) -> tuple[nn.Module, Config]:
+    model = build_model(cfg, tokenizer(cfg).vocab_size)
+    model.load_state_dict(_safetensors().load_file(str(directory / WEIGHTS_FILE)))
+    return model, cfg
 
 
 # The built-in tokenizers' windows.

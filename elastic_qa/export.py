@@ -1,0 +1,195 @@
+"""Models for prediction: from a verified checkpoint or an exported directory, and export between the two.
+
+`elastic-qa eval|ask|export` accept any of: a run directory (its checkpoints/, or checkpoint.dir from its
+config.yaml), a checkpoint directory (the newest checkpoint that verifies), one step directory, or (eval
+and ask) an exported directory. Checkpoint files load with weights_only=True after their manifest verifies.
+
+An exported directory holds what the model family writes (the native family: model.safetensors; a
+transformers family: what `save_pretrained` writes) plus two files of ours: the resolved config
+(CONFIG_FILE) and EXPORT_FILE, naming the family, the step, the tokenizer settings and every file's
+sha256, which loading checks. It is written aside and renamed into place, so a failed export leaves
+nothing half-written under --out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore, step_of
+from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict, load_config
+from elastic_qa.exits import UsageError
+from elastic_qa.models import ModelFamily, family_for
+
+EXPORT_FILE = "elastic_qa_export.json"
+CONFIG_FILE = "elastic_qa_config.yaml"
+EXPORT_FORMAT = 1
+RUN_CONFIG = "config.yaml"  # what a run directory holds beside its checkpoints
+
+
+@dataclass
+class PredictionModel:
+    """A model in eval mode, the config it predicts with, its family, and where it came from."""
+
+    model: nn.Module
+    cfg: Config
+    family: ModelFamily
+    source: str  # e.g. "checkpoint runs/x/checkpoints/step-00000030 (step 30)"
+    step: int
+
+
+def _checkpoint_dir(path: str) -> str:
+    """The checkpoint directory of a run directory; any other path unchanged."""
+    local = Path(path)
+    if not (local / RUN_CONFIG).is_file() or (local / MANIFEST).exists():
+        return path
+    try:
+        configured = load_config(local / RUN_CONFIG).checkpoint.dir
+    except ConfigError as err:
+        raise UsageError(f"{path}: a run directory whose config.yaml is not usable: {err}") from None
+    return configured or str(local / "checkpoints")
+
+
+def load_checkpoint(path: str) -> LoadedCheckpoint:
+    """A step directory, or the newest valid checkpoint of a checkpoint or run directory (path or URL)."""
+    store = CheckpointStore(_checkpoint_dir(path).rstrip("/") or "/")
+    if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
+        parent, _, name = store.root.rpartition("/")
+        step = step_of(name) or 0
+        return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
+            store.root, step
+        )
+    loaded = Checkpointer(CheckpointConfig(), store).load_newest()
+    if loaded is None:
+        raise UsageError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {store.root}`)")
+    return loaded
+
+
+def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> PredictionModel:
+    """The checkpoint's model in eval mode on `device`, with the config it was trained with."""
+    try:
+        cfg = config_from_dict(loaded.trainer["config"])
+        family = family_for(cfg.model)
+    except (ConfigError, KeyError, TypeError) as err:
+        raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
+    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size)
+    try:
+        model.load_state_dict(loaded.model)
+    except RuntimeError as err:
+        raise UsageError(f"{loaded.path}: model weights do not fit the stored config: {err}") from None
+    # Checkpoints load to the CPU; moved here to wherever we run, so GPU-trained ones work anywhere.
+    source = f"checkpoint {loaded.path} (step {loaded.step})"
+    return PredictionModel(model.to(device).eval(), cfg, family, source, loaded.step)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_exported(directory: Path, device: torch.device) -> PredictionModel:
+    """An exported directory's model, after checking every file against the recorded sha256."""
+    try:
+        record = json.loads((directory / EXPORT_FILE).read_text())
+        files, step = dict(record["files"]), int(record["step"])
+        if CONFIG_FILE not in files:
+            raise ValueError(f"it lists no {CONFIG_FILE}")
+        if record["format"] != EXPORT_FORMAT:
+            raise ValueError(f"format {record['format']!r}, this version reads {EXPORT_FORMAT}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{directory / EXPORT_FILE}: not a usable export record: {err}") from None
+    for name, digest in files.items():
+        path = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not path.is_file():
+            raise UsageError(f"{directory}: exported file {name!r} is missing")
+        if _sha256(path) != digest:
+            raise UsageError(f"{path}: does not match its sha256 in {EXPORT_FILE} (damaged or edited)")
+    cfg = load_config(directory / CONFIG_FILE)
+    family = family_for(cfg.model)
+    try:
+        model, cfg = family.load_export(cfg, directory)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise UsageError(f"{directory}: the exported model does not load: {err}") from None
+    return PredictionModel(
+        model.to(device).eval(), cfg, family, f"exported model {directory} (step {step})", step
+    )
+
+
+def load_for_prediction(path: str, device: torch.device) -> PredictionModel:
+    """An exported directory, or the checkpoint `path` resolves to (see the module docstring)."""
+    if (Path(path) / EXPORT_FILE).is_file():
+        return load_exported(Path(path), device)
+    return model_from_checkpoint(load_checkpoint(path), device)
+
+
+def _empty_or_absent(out: Path) -> bool:
+    return not out.exists() or (out.is_dir() and not any(out.iterdir()))
+
+
+def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionModel:
+    """Write the model of the checkpoint `path` resolves to into `out` (see the module docstring).
+
+    A non-empty `out` is refused unless `force`; even then it is replaced only once the new export is
+    complete.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    if not force and not _empty_or_absent(out):
+        raise UsageError(f"--out {out}: not empty (pass --force to replace it)")
+    if "://" not in path and Path(path).resolve().is_relative_to(out.resolve()):
+        raise UsageError(
+            f"--out {out}: holds the checkpoint being exported ({path}); choose another directory"
+        )
+    loaded = model_from_checkpoint(load_checkpoint(path), torch.device("cpu"))
+    out = out.absolute()
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        loaded.family.export(loaded.model, loaded.cfg, staging)
+        (staging / CONFIG_FILE).write_text(loaded.cfg.to_yaml())
+        record: dict[str, Any] = {
+            "format": EXPORT_FORMAT,
+            "kind": loaded.cfg.model.kind,
+            "step": loaded.step,
+            "source": loaded.source,
+            "tokenizer": loaded.family.cache_identity(loaded.cfg),
+            "files": {
+                str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
+            },
+        }
+        (staging / EXPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        _publish(staging, out)
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write the export: {err}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return loaded
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Rename the finished export into place; what `out` held goes only after that rename."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    previous = out.parent / f".{out.name}.previous-{os.getpid()}"
+    out.rename(previous)
+    try:
+        staging.rename(out)
+    except OSError:
+        previous.rename(out)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)

@@ -1,0 +1,33 @@
+"""Export for transformers models: a directory `AutoModelForQuestionAnswering.from_pretrained` and the
+question-answering pipeline load as they are (config.json, model.safetensors, the tokenizer's files).
+
+For a transformers family to wire in as its `ModelFamily.export` / `load_export` hooks; transformers is
+imported only when these run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def save_pretrained_qa(model: Any, tokenizer: Any, out: Path) -> None:
+    """Write a `PreTrainedModel` with a question-answering head and its tokenizer into `out`.
+
+    Weights go out as safetensors only (transformers' default since 4.35, its only format from 5).
+    """
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if not (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").is_file():
+        raise RuntimeError(f"{out}: transformers wrote no safetensors weights")
+
+
+def load_pretrained_qa(directory: Path) -> tuple[Any, Any]:
+    """The model and tokenizer `save_pretrained_qa` wrote: safetensors only, never code from the directory."""
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+    model = AutoModelForQuestionAnswering.from_pretrained(
+        directory, use_safetensors=True, trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    return model, tokenizer

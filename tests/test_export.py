@@ -1,0 +1,145 @@
+"""`elastic-qa export` and loading for prediction: the exported model is the checkpoint's, and bad input
+(paths, a non-empty --out, edited files) is one line and exit 2 with nothing valid overwritten."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_qa.cli import main
+from elastic_qa.data.loader import collate
+from elastic_qa.data.squad import read_squad
+from elastic_qa.evaluate import predict
+from elastic_qa.export import CONFIG_FILE, EXPORT_FILE, load_for_prediction
+from elastic_qa.models import model_inputs
+from tests.conftest import FIXTURES
+
+CPU = torch.device("cpu")
+
+
+def run_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def exported(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "model"
+    assert main(["export", str(trained), "--out", str(out)]) == 0
+    return out
+
+
+def test_an_export_holds_safetensors_weights_the_config_and_a_record_of_every_file(exported: Path) -> None:
+    assert sorted(p.name for p in exported.iterdir()) == sorted(
+        ["model.safetensors", CONFIG_FILE, EXPORT_FILE]
+    )
+    record = json.loads((exported / EXPORT_FILE).read_text())
+    assert (record["kind"], record["step"]) == ("native", 30)
+    assert set(record["files"]) == {"model.safetensors", CONFIG_FILE}
+    assert record["tokenizer"]["tokenizer"] == "word"
+
+
+def test_the_exported_model_gives_the_checkpoints_logits_and_answers(trained: Path, exported: Path) -> None:
+    original = load_for_prediction(str(trained / "checkpoints"), CPU)
+    reloaded = load_for_prediction(str(exported), CPU)
+    assert reloaded.step == original.step == 30
+    assert reloaded.cfg.to_dict() == original.cfg.to_dict()
+    examples, _ = read_squad(str(FIXTURES / "squad-v2-dev-sample.json"))
+    features = original.family.features(examples, original.cfg)
+    batch = collate(features, torch.arange(len(features)).numpy())
+    with torch.no_grad():
+        for a, b in zip(
+            original.model(**model_inputs(batch, CPU)),
+            reloaded.model(**model_inputs(batch, CPU)),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+    answers = [predict(m.model, m.family, features, examples, 64, 16, CPU)[0] for m in (original, reloaded)]
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(("where", "step"), [("run", 30), ("checkpoints", 30), ("step-00000020", 20)])
+def test_export_accepts_a_run_a_checkpoint_directory_or_one_step(
+    trained: Path, tmp_path: Path, where: str, step: int
+) -> None:
+    source = {"run": trained, "checkpoints": trained / "checkpoints"}.get(
+        where, trained / "checkpoints" / where
+    )
+    assert main(["export", str(source), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / EXPORT_FILE).read_text())["step"] == step
+
+
+def test_export_refuses_a_non_empty_directory_and_replaces_it_only_with_force(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code, _, err = run_main(capsys, "export", str(trained), "--out", str(out))
+    assert code == 2 and "not empty" in err and len(err.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging directory left behind
+    code, _, err = run_main(capsys, "export", str(trained), "--out", str(out), "--force")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / EXPORT_FILE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_export_never_replaces_the_directory_that_holds_its_checkpoint(
+    trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    before = sorted(p.name for p in (trained / "checkpoints").iterdir())
+    for out in (trained, trained / "checkpoints"):
+        code, _, err = run_main(capsys, "export", str(trained / "checkpoints"), "--out", str(out), "--force")
+        assert code == 2 and "holds the checkpoint" in err
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == before
+
+
+def test_export_of_a_bad_checkpoint_leaves_a_non_empty_out_untouched_even_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code, _, err = run_main(capsys, "export", str(tmp_path / "nowhere"), "--out", str(out), "--force")
+    assert code == 2 and err.startswith("elastic-qa:")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("export", "/nonexistent/run", "--out", "{tmp}/out"),
+        ("export", "{run}", "--out", "{tmp}/file"),
+        ("eval", "--checkpoint", "/nonexistent/run", "--out", "{tmp}"),
+        ("eval", "--checkpoint", "{run}", "--out", "{tmp}/file"),
+        ("ask", "--checkpoint", "{tmp}/empty", "--context", "a", "--question", "b"),
+    ],
+)
+def test_bad_paths_are_one_clear_error_with_exit_2(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture, args: tuple[str, ...]
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_main(capsys, *(a.format(tmp=tmp_path, run=trained) for a in args))
+    assert code == 2
+    assert err.startswith("elastic-qa:") and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_an_edited_export_is_refused_by_eval_and_ask(
+    exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in exported.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    code, _, err = run_main(capsys, "ask", "--checkpoint", str(copy), "--context", "a b", "--question", "b")
+    assert code == 2 and "sha256" in err
