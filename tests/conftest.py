@@ -46,3 +46,14 @@ def tiny_config(tmp_path: Path, cache_dir: Path):
         return load_config(packaged_config("tiny"), tiny_overrides(tmp_path / "run", cache_dir, *overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random transformers QA models with their own fast tokenizers, one per style, built once per
+    session: bert (WordPiece, token types), roberta (byte-level BPE, none). Skipped without transformers."""
+    pytest.importorskip("transformers")
+    from elastic_qa.models import tiny
+
+    root = tmp_path_factory.mktemp("hf-models")
+    return {style: tiny.create(root / style, style) for style in tiny.STYLES}

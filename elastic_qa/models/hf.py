@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,12 @@ def tokenizer(cfg: Config) -> PretrainedTokenizer:
 def cache_identity(cfg: Config) -> dict[str, Any]:
     """The tokenizer's full definition (vocabulary, normalizer, special tokens) by hash, and the settings."""
     tok = checked_tokenizer(cfg)
-    definition = tok.backend_tokenizer.to_str()  # tokenizer.json: wherever the tokenizer was loaded from
+    # tokenizer.json, wherever the tokenizer came from, without the truncation and padding state that the
+    # last call left in it; keys sorted, since a vocabulary is a hash map.
+    definition = json.loads(tok.backend_tokenizer.to_str())
+    definition = json.dumps(
+        {k: v for k, v in definition.items() if k not in ("truncation", "padding")}, sort_keys=True
+    )
     specials = f"{tok.pad_token_id},{tok.cls_token_id},{tok.padding_side},{tok.model_input_names}"
     return {
         "recipe": RECIPE_VERSION,
@@ -117,14 +123,15 @@ def cache_identity(cfg: Config) -> dict[str, Any]:
 
 
 def _question(tok: Any, text: str, max_tokens: int) -> str:
-    """The question, cut after its `max_tokens`-th token (at a character boundary, so it re-tokenises)."""
-    text = text.lstrip()  # leading spaces would be tokens of their own for byte-level BPE
-    for _ in range(4):  # a cut word may re-tokenise into a few more pieces: cut again
+    """The question cut before the character where its token number `max_tokens` (from 0) starts: text,
+    not ids, since the tokenizer pairs it with the context. A character that several byte-level tokens
+    spell is kept whole or dropped whole, so the cut question has at most `max_tokens` tokens."""
+    text = text.strip()  # leading spaces would be tokens of their own for byte-level BPE
+    while True:
         spans = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         if len(spans) <= max_tokens:
             return text
-        text = text[: spans[max_tokens - 1][1]]
-    return text
+        text = text[: min(spans[max_tokens][0], len(text) - 1)].rstrip()  # strictly shorter: the loop ends
 
 
 def _trimmed(context: str, start: int, end: int) -> tuple[int, int]:
