@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -220,3 +221,27 @@ def test_without_transformers_kind_hf_is_refused_with_exit_2_and_the_install_lin
     )
     assert result.returncode == 2
     assert "pip install 'elastic-qa[hf]'" in result.stderr
+
+
+def test_byte_level_offsets_that_carry_the_space_are_trimmed_to_the_word(hf_models, tmp_path):
+    untrimmed = shutil.copytree(hf_models["roberta"], tmp_path / "untrimmed")
+    definition = json.loads((untrimmed / "tokenizer.json").read_text())
+    definition["post_processor"]["trim_offsets"] = False
+    definition["pre_tokenizer"]["trim_offsets"] = False
+    (untrimmed / "tokenizer.json").write_text(json.dumps(definition))
+    raw = hf.load_tokenizer(str(untrimmed))("Who?", "Alice built it", return_offsets_mapping=True)
+    assert (5, 7) in raw["offset_mapping"]  # "Ġb" of " built": the space is part of the token
+    batch = examples()
+    trimmed = hf.features(batch, config(hf_models["roberta"]))
+    spaced = hf.features(batch, config(untrimmed))
+    assert np.array_equal(spaced.offsets, trimmed.offsets)
+    assert np.array_equal(spaced.start_positions, trimmed.start_positions)
+
+
+def test_the_family_pickles_by_reference_for_worker_processes(hf_models):
+    cfg = config(hf_models["bert"])
+    family = family_for(cfg.model)
+    again = pickle.loads(pickle.dumps(family))
+    assert again.features is hf.features
+    first, second = again.features(examples(), cfg), hf.features(examples(), cfg)
+    assert all(np.array_equal(getattr(first, c), getattr(second, c)) for c in first.COLUMNS)
