@@ -147,8 +147,10 @@ def _answer_tokens(
     """Start and end token of [start_char, end_char) in a window with these context spans, else (0, 0)."""
     if not spans or spans[0][0] > start_char or spans[-1][1] < end_char:
         return 0, 0  # the window does not hold all of the answer
-    first = next(p for p, (s, e) in zip(positions, spans, strict=True) if e > start_char)
-    last = max(p for p, (s, e) in zip(positions, spans, strict=True) if s < end_char)
+    first = next((p for p, (s, e) in zip(positions, spans, strict=True) if e > start_char), None)
+    if first is None:  # an empty answer at the window's very end: nothing to point at
+        return 0, 0
+    last = max((p for p, (s, e) in zip(positions, spans, strict=True) if s < end_char), default=first)
     return first, max(first, last)
 
 
@@ -156,6 +158,8 @@ def features(examples: list[QAExample], cfg: Config) -> Features:
     """Windows of `examples` for the model of `model.name_or_path`; `segment_ids` is 1 on context tokens."""
     tok = checked_tokenizer(cfg)
     length = cfg.data.max_seq_len
+    if not examples:
+        return _no_windows(length)
     questions = [_question(tok, e.question, cfg.data.max_query_len) for e in examples]
     encoded = tok(
         questions,
@@ -192,6 +196,19 @@ def features(examples: list[QAExample], cfg: Config) -> Features:
         end_positions=ends,
         example_index=owners,
         offsets=offsets,
+    )
+
+
+def _no_windows(length: int) -> Features:
+    empty = np.zeros(0, dtype=np.int32)
+    return Features(
+        input_ids=np.zeros((0, length), dtype=np.int32),
+        lengths=empty,
+        segment_ids=np.zeros((0, length), dtype=np.int8),
+        start_positions=empty,
+        end_positions=empty,
+        example_index=empty,
+        offsets=np.zeros((0, length, 2), dtype=np.int32),
     )
 
 

@@ -245,3 +245,12 @@ def test_the_family_pickles_by_reference_for_worker_processes(hf_models):
     assert again.features is hf.features
     first, second = again.features(examples(), cfg), hf.features(examples(), cfg)
     assert all(np.array_equal(getattr(first, c), getattr(second, c)) for c in first.COLUMNS)
+
+
+def test_no_examples_give_no_windows_with_the_right_shapes(hf_models):
+    features = hf.features([], config(hf_models["bert"]))
+    assert (
+        len(features) == 0
+        and features.input_ids.shape == (0, MAX_LEN)
+        and features.offsets.shape == (0, MAX_LEN, 2)
+    )
