@@ -89,7 +89,7 @@ def test_an_agent_joining_an_hf_run_grows_the_world_and_matches_the_fault_free_r
     job = hf_job(
         run_dir, cache_dir, hf_models["roberta"], "model.dropout=0.0", "debug.step_delay=500ms", agents=1
     )
-    job.wait_for_step(2)  # ~14 s of steps left: the second agent joins while the first still trains
+    job.wait_for_step(1)  # ~14 s of steps left: the second agent joins while the first still trains
     job.join()
     assert finish(job) == 0
     result = assert_nothing_lost(run_dir, reference, max_lost=0, restarts=1, max_steps=STEPS)
