@@ -25,6 +25,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
+# The dev extra includes the hf extra (transformers): the tests cover that family too. `make run` does not.
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import math
 import re
 import typing
@@ -169,18 +170,22 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["native"] = "native"
-    """Model family (elastic_qa/models/): `native`, the built-in span encoder the fields below size."""
+    kind: Literal["native", "hf"] = "native"
+    """Model family (elastic_qa/models/): `native`, the built-in span encoder the fields below size; `hf`, a
+    pretrained transformers model with its own tokenizer (`pip install 'elastic-qa[hf]'`)."""
+    name_or_path: str = ""
+    """hf only: a saved model directory (save_pretrained: config, weights, fast tokenizer) or a hub id."""
     d_model: int = 128
-    """Hidden size."""
+    """Hidden size (native only; hf reads its size from the model)."""
     n_layers: int = 2
-    """Transformer encoder layers."""
+    """Transformer encoder layers (native only)."""
     n_heads: int = 4
-    """Attention heads (must divide d_model)."""
+    """Attention heads, must divide d_model (native only)."""
     d_ff: int = 256
-    """Feed-forward inner size."""
+    """Feed-forward inner size (native only)."""
     dropout: float = 0.0
-    """Dropout probability; per-step masks derive from (seed, step, rank)."""
+    """Dropout probability; per-step masks derive from (seed, step, rank). hf: replaces every dropout
+    probability of the pretrained config (BERT fine-tuning recipes use 0.1)."""
     grad_checkpointing: bool = False
     """Recompute activations in backward: ~30% more compute for much less activation memory."""
 
@@ -194,6 +199,17 @@ class ModelConfig:
             f"must divide d_model={self.d_model}",
         )
         _require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        if self.kind == "hf":
+            _require(bool(self.name_or_path.strip()), "name_or_path", self.name_or_path, "needed by kind=hf")
+            # find_spec imports nothing: a config is checked in processes that never train.
+            _require(
+                importlib.util.find_spec("transformers") is not None,
+                "kind",
+                self.kind,
+                "needs transformers: pip install 'elastic-qa[hf]'",
+            )
+        else:
+            _require(not self.name_or_path, "name_or_path", self.name_or_path, "only read by kind=hf")
 
 
 @dataclass
@@ -218,6 +234,9 @@ class TrainConfig:
     """AdamW weight decay (not applied to biases, norms and embeddings)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0: off)."""
+    freeze_loss_invariant: bool = True
+    """Freeze the parameters the span loss cannot see (e.g. the QA head's bias, attention key biases), found
+    at start-up by a float64 probe: their gradient is rounding noise that Adam would turn into steps."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype: bf16 on CPU or CUDA; fp16 with a GradScaler, CUDA only."""
     eval_every: int = 200

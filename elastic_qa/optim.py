@@ -6,11 +6,26 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from elastic_qa.config import Config
 
-# Parameters that are not weight-decayed besides biases and norms (ndim < 2): the native model's embeddings.
-_NO_DECAY_NAMES = ("tokens", "segments", "in_question")
+# Modules whose weights are not decayed: norms (a scale, not a projection) and embeddings (rows that a batch
+# rarely touches would only shrink). Biases, whatever module holds them, are not decayed either.
+_NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Trainable parameters to weight-decay, and the rest, by the module that holds them (in model order)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            exempt = param.ndim < 2 or isinstance(module, _NO_DECAY_MODULES)
+            (no_decay if exempt else decay).append(param)
+    return decay, no_decay
 
 
 def lr_multiplier(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -26,10 +41,7 @@ def lr_multiplier(warmup_steps: int, total_steps: int, min_ratio: float) -> Call
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        # Biases, norms and embeddings are not weight-decayed (standard for transformers).
-        (no_decay if param.ndim < 2 or any(n in name for n in _NO_DECAY_NAMES) else decay).append(param)
+    decay, no_decay = decay_groups(model)
     groups = [
         {"params": decay, "weight_decay": cfg.train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

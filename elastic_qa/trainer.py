@@ -17,6 +17,7 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,13 +26,14 @@ from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.data.loader import build_train_loader
+from elastic_qa.data.loader import build_train_loader, collate
 from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
 from elastic_qa.elastic.control import ControlPlane, Decision, PeerFailure, Phase, gloo_all_reduce
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.evaluate import evaluate
 from elastic_qa.models import family_for, model_inputs
+from elastic_qa.models.invariance import freeze, loss_invariant_parameters
 from elastic_qa.observe.breakdown import StepTimer
 from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
@@ -42,6 +44,8 @@ from elastic_qa.state import ResumeError, TrainState, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
 TARGETS = ("start_positions", "end_positions", "weights")
+# Windows the start-up probe for loss-invariant parameters reads (a float64 forward and backward).
+PROBE_WINDOWS = 8
 
 
 class Trainer:
@@ -53,7 +57,15 @@ class Trainer:
         self.device = ctx.device
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         self.family = family_for(cfg.model)
-        model = self.family.build_model(cfg, data.vocab_size).to(self.device)
+        model = self.family.build_model(cfg, data.vocab_size)
+        if cfg.train.freeze_loss_invariant:
+            self._freeze_loss_invariant(model)
+        model = model.to(self.device)
+        # Re-seeding costs ~0.1 ms: only when a step draws random numbers (a pretrained config may carry
+        # dropout of its own besides model.dropout).
+        self.draws_random = cfg.model.dropout > 0 or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
+        )
         self.comm_timer = CommTimer()
         self.model = wrap_model(model, ctx, cfg.dist, self.comm_timer)
         precision = cfg.train.precision
@@ -89,6 +101,14 @@ class Trainer:
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
 
     # ---- start-up -----------------------------------------------------------------------------------
+    def _freeze_loss_invariant(self, model: torch.nn.Module) -> None:
+        """Freeze the parameters the span loss cannot see (models/invariance.py); the same on every rank."""
+        probe = collate(self.data.train, np.arange(min(PROBE_WINDOWS, len(self.data.train))))
+        names = loss_invariant_parameters(model, probe, self.family.span_loss_per_window)
+        freeze(model, names)
+        if self.ctx.is_main:
+            self.log.info("frozen_parameters", count=len(names), names=names)
+
     def restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
         self.session.restore()
@@ -173,7 +193,7 @@ class Trainer:
     def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
         model, device, state = self.model, self.device, self.state
         model.train()
-        if self.cfg.model.dropout > 0:  # re-seeding costs ~0.1 ms: only when a step draws random numbers
+        if self.draws_random:
             torch.manual_seed(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank))
         micro = self.cfg.train.micro_batch_size
         starts = list(range(0, batch["input_ids"].shape[0], micro))

@@ -54,3 +54,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     train_tiny(run_dir, cache_dir, "train.max_steps=30", "checkpoint.every_steps=10")
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random transformers QA models with their own fast tokenizers, one per style, built once per
+    session: bert (WordPiece, token types), roberta (byte-level BPE, none). Skipped without transformers."""
+    pytest.importorskip("transformers")
+    from elastic_qa.models import tiny
+
+    root = tmp_path_factory.mktemp("hf-models")
+    return {style: tiny.create(root / style, style) for style in tiny.STYLES}

@@ -315,3 +315,15 @@ def test_train_with_an_unknown_key_exits_2_naming_the_key(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(tmp_path, "--config", "tiny", f"run.dir={run_dir}", "train.max_stepz=3")
     assert_bad_config_exit(result, run_dir, "train.max_stepz")
+
+
+def test_model_kind_hf_needs_a_name_or_path_and_native_refuses_one():
+    assert "model.name_or_path='': needed by kind=hf" in config_error("model.kind=hf")
+    assert "model.name_or_path='bert-base-uncased': only read by kind=hf" in config_error(
+        "model.name_or_path=bert-base-uncased"
+    )
+
+
+def test_the_packaged_hf_config_loads_with_a_model_path():
+    cfg = load_config(packaged_config("hf-tiny"), ["model.name_or_path=/models/tiny-bert"])
+    assert (cfg.model.kind, cfg.model.name_or_path, cfg.model.dropout) == ("hf", "/models/tiny-bert", 0.1)

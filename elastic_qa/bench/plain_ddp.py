@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
         gradient_as_bucket_view=args.tuned,
     )
+    model.train()  # as the product does: transformers' from_pretrained returns a model in eval mode
     if args.tuned:
         optimizer = build_optimizer(model.module, cfg)
     else:  # torch's defaults: on CPU, the for-loop implementation

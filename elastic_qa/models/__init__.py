@@ -1,15 +1,17 @@
 """QA model families, chosen by `model.kind`: the one place that knows which model a config trains.
 
 The trainer, evaluation, `elastic-qa eval|ask` and the benchmarks ask `family_for(cfg.model)` and never
-name a model class, so another family (a pretrained transformers model with its own tokenizer, say) plugs
-in as one more registry entry. Every family's model takes the transformers argument names and returns
-float32 start and end logits [batch, length], position 0 standing for "no answer in this window":
+name a model class: `native` (models/native.py) and `hf`, a pretrained transformers model with its own
+tokenizer (models/hf.py, which imports transformers, so it is loaded on first use). Every family's model
+takes the transformers argument names and returns float32 start and end logits [batch, length], position 0
+standing for "no answer in this window":
 
     start_logits, end_logits = model(**model_inputs(batch, device))
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,10 +77,32 @@ FAMILIES: dict[str, ModelFamily] = {
 
 def family_for(cfg: ModelConfig) -> ModelFamily:
     """The family `model.kind` names."""
+    if cfg.kind == "hf":
+        return _pretrained_family()
     family = FAMILIES.get(cfg.kind)
     if family is None:
-        raise ConfigError(f"model.kind={cfg.kind!r}: must be one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"model.kind={cfg.kind!r}: must be one of {', '.join([*FAMILIES, 'hf'])}")
     return family
+
+
+@functools.cache
+def _pretrained_family() -> ModelFamily:
+    try:
+        from elastic_qa.models import hf
+    except ImportError as err:
+        raise ConfigError(
+            f"model.kind='hf': needs {err.name or 'transformers'}: pip install 'elastic-qa[hf]'"
+        ) from None
+    return ModelFamily(
+        build_model=hf.build_model,
+        tokenizer=hf.tokenizer,
+        features=hf.features,
+        cache_identity=hf.cache_identity,
+        span_loss=span_loss,
+        span_loss_per_window=span_loss_per_window,
+        export=hf.export,
+        load_export=hf.load_export,
+    )
 
 
 def model_inputs(

@@ -65,7 +65,12 @@ def world_sizes(events: list[dict]) -> list[int]:
 
 
 def assert_nothing_lost(
-    run_dir: Path, reference: dict, max_lost: int, restarts: int, bitwise: bool = False
+    run_dir: Path,
+    reference: dict,
+    max_lost: int,
+    restarts: int,
+    bitwise: bool = False,
+    max_steps: int = MAX_STEPS,
 ) -> dict:
     """Exactly-once, every checkpoint valid, exactly `restarts` regroups each losing at most `max_lost` steps,
     and the final parameters of the fault-free run."""
@@ -73,7 +78,7 @@ def assert_nothing_lost(
     num_samples = len(prepare(cfg, family_for(cfg.model)).train)
     ledger = check_ledger(run_dir, cfg, num_samples)
     assert ledger.ok, ledger.problems
-    assert ledger.steps == MAX_STEPS
+    assert ledger.steps == max_steps
     assert check_checkpoints(cfg) == []
     events = read_events(run_dir)
     runs = attempts(events)
@@ -81,7 +86,7 @@ def assert_nothing_lost(
     assert len(regroups) == restarts, regroups
     assert all(r["lost"] <= max_lost for r in regroups), regroups
     step, params = final_parameters(cfg)
-    assert step == MAX_STEPS
+    assert step == max_steps
     diff = parameter_difference(params, reference)
     if bitwise:
         assert diff["bitwise_equal"], diff
