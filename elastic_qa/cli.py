@@ -1,6 +1,6 @@
 """`elastic-qa`: the commands around training.
 
-    elastic-qa prepare [--config CFG] [overrides]       tokenise once into the memory-mapped cache
+    elastic-qa prepare [--config CFG] [--workers N] [overrides]   tokenise once into the memory-mapped cache
     elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint (newest valid in a dir)
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
     elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
@@ -76,7 +76,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.overrides)
     configure_logging(None, cfg.log.level)
     started = time.perf_counter()
-    data = prepare(cfg, family_for(cfg.model))
+    data = prepare(cfg, family_for(cfg.model), workers=args.workers)
     skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "
@@ -133,6 +133,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path}: {err}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
     p.add_argument("--config", default="default")
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        help="tokenising processes (default data.prepare_workers: one per CPU core); same cache whatever N",
+    )
     p.add_argument("overrides", nargs="*")
     p = sub.add_parser("eval", help="EM/F1 of a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (newest valid) or step-N")

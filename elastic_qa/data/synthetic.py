@@ -10,6 +10,7 @@ not have in the context: unanswerable, SQuAD v2 style.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from elastic_qa.data.squad import Answer, QAExample
 
@@ -139,11 +140,14 @@ def _example(world: _World, rng: random.Random, qid: str, unanswerable: bool) ->
     return QAExample(qid, question, context, (answer,) if answer else ())
 
 
-def generate(split: str, count: int, seed: int, unanswerable_fraction: float) -> list[QAExample]:
-    """`count` examples of `split` ("train" or "eval"); the same arguments give identical examples."""
+def iter_examples(split: str, count: int, seed: int, unanswerable_fraction: float) -> Iterator[QAExample]:
+    """`count` examples of `split` ("train" or "eval"), one at a time; the same arguments, the same ones."""
     world = _World(random.Random(f"world-{seed}"))
     rng = random.Random(f"{split}-{seed}")
-    return [
-        _example(world, rng, f"syn-{split}-{i:07d}", rng.random() < unanswerable_fraction)
-        for i in range(count)
-    ]
+    for i in range(count):
+        yield _example(world, rng, f"syn-{split}-{i:07d}", rng.random() < unanswerable_fraction)
+
+
+def generate(split: str, count: int, seed: int, unanswerable_fraction: float) -> list[QAExample]:
+    """`count` examples of `split` ("train" or "eval"); the same arguments give identical examples."""
+    return list(iter_examples(split, count, seed, unanswerable_fraction))
