@@ -4,7 +4,7 @@
     elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint (newest valid in a dir)
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
     elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
-    elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
+    elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,11 +27,11 @@ import numpy as np
 
 from elastic_qa.config import Config, DataConfig
 from elastic_qa.data import synthetic
-from elastic_qa.data.build import Featurizers, build_split, default_workers
+from elastic_qa.data.build import Workers, build_split, default_workers
 from elastic_qa.data.columns import StoredExamples
 from elastic_qa.data.features import BuiltinFeaturizer, Features
-from elastic_qa.data.lease import HOST, clean_stale_staging, lease, publish
-from elastic_qa.data.sources import ExampleReader, file_digest, source_urls
+from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish
+from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, source_urls
 from elastic_qa.data.squad import DataError, QAExample
 from elastic_qa.observe.log import get_logger
 
@@ -87,14 +88,16 @@ def _split_sources(cfg: DataConfig) -> dict[str, str]:
     return {split: url for split, url in (("train", cfg.source), ("eval", cfg.eval_source)) if url}
 
 
-def _examples(cfg: DataConfig, split: str) -> tuple[Iterable[QAExample], Callable[[], int]]:
-    """A split's examples as a stream, and how many malformed records it skipped (once streamed)."""
+def _chunks(cfg: DataConfig, split: str) -> tuple[ExampleReader | None, Iterator[Chunk]]:
+    """A split's reader (None for the generator, whose examples are valid) and its chunks."""
     if cfg.source == "synthetic":
         syn = cfg.synthetic
         count = syn.train_examples if split == "train" else syn.eval_examples
-        return synthetic.iter_examples(split, count, syn.seed, syn.unanswerable_fraction), lambda: 0
+        examples = synthetic.iter_examples(split, count, syn.seed, syn.unanswerable_fraction)
+        batches = iter(lambda: list(itertools.islice(examples, CHUNK_LINES)), [])
+        return None, (Chunk("synthetic", "examples", batch) for batch in batches)
     reader = ExampleReader(_split_sources(cfg)[split], cfg.skip_malformed)
-    return reader, lambda: reader.tally.skipped
+    return reader, reader.chunks()
 
 
 def content_hash(url: str, root: Path) -> str:
@@ -161,7 +164,7 @@ def _read_split(directory: Path, windows: int) -> Features:
     return Features(**columns)
 
 
-def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int) -> None:
+def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int, held: Lease) -> None:
     """Build into a private staging directory and publish it with one rename (see publish)."""
     started = time.perf_counter()
     cfg = full.data
@@ -169,14 +172,15 @@ def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers:
     staging = final.with_name(f"{final.name}.tmp-{HOST}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    held.touched.append(staging)  # its age tells builders on other hosts that it is alive
     counts = {}
-    featurizers = Featurizers(featurizer, full, workers)
+    pool = Workers(featurizer, full, workers, held.beat)
     try:  # whatever stops the build (bad data, a full disk, Ctrl-C) takes its half-written files along
         splits = ("train", "eval") if cfg.source == "synthetic" else tuple(_split_sources(cfg))
         for split in splits:
-            examples, skipped = _examples(cfg, split)
-            built = build_split(examples, featurizers, staging / split, tokenizer.vocab_size, split == "eval")
-            counts[split] = {**asdict(built), "skipped": skipped()}
+            reader, chunks = _chunks(cfg, split)
+            built = build_split(reader, chunks, pool, staging / split, tokenizer.vocab_size, split == "eval")
+            counts[split] = {**asdict(built), "skipped": reader.tally.skipped if reader else 0}
         meta = {
             "key": key,
             "inputs": _identity(cfg, final.parent),
@@ -185,10 +189,10 @@ def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers:
             "vocab_size": tokenizer.vocab_size,
         }
         (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        featurizers.close()
+        pool.close()
         published = publish(staging, final)
     except BaseException:
-        featurizers.close()
+        pool.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     get_logger().info(
@@ -213,10 +217,10 @@ def _build_once(full: Config, featurizer: Featurizer, key: str, final: Path, wor
                 f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
             )
         with lease(root / f"{key}.lease") as held:
-            if held and not _ready(final):
+            if held is not None and not _ready(final):
                 clean_stale_staging(root, key)
-                _build(full, featurizer, key, final, workers)
-        if not held:
+                _build(full, featurizer, key, final, workers, held)
+        if held is None:
             time.sleep(WAIT_POLL_S)
 
 

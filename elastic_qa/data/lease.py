@@ -5,9 +5,9 @@ with `rename(staging, final)`, which fails when `final` already exists (a direct
 an empty one, and a published cache never is): the loser discards its copy and uses the winner's, and
 no reader ever sees a half-written cache. The lease only saves work: a file created with O_EXCL (atomic
 on NFS v3+ and every local filesystem, unlike flock, which some network filesystems ignore) names its
-holder, who refreshes its mtime while building. Waiters break a lease whose holder is a dead process on
-this host, or whose heartbeat is older than STALE_S (a host that died); if two builders ever overlap,
-the rename still lets exactly one publish.
+holder, who refreshes its mtime (and its staging directory's) while building. Waiters break a lease
+whose holder is a dead process on this host, or whose heartbeat is older than STALE_S (a host that
+died); if two builders ever overlap, the rename still lets exactly one publish.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,37 +44,43 @@ def _holder_dead(host: str, pid: int, age: float) -> bool:
     return age > STALE_S
 
 
+class Lease:
+    """A held lease: `beat()` often (it touches the file at most every HEARTBEAT_S)."""
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path, self.token = path, token
+        self.last = time.monotonic()
+        self.touched: list[Path] = [path]
+
+    def beat(self) -> None:
+        # Called from the builder's own loop, not a thread: worker processes are forked, which is only
+        # safe while this process runs a single thread.
+        if time.monotonic() - self.last < HEARTBEAT_S:
+            return
+        self.last = time.monotonic()
+        for path in self.touched:
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+
 @contextlib.contextmanager
-def lease(path: Path) -> Iterator[bool]:
-    """Yield True while this process holds the lease at `path` (heartbeat running), else False."""
+def lease(path: Path) -> Iterator[Lease | None]:
+    """Yield a Lease while this process holds the one at `path`, else None (someone else holds it)."""
     token = uuid.uuid4().hex
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         _break_if_dead(path)
-        yield False
+        yield None
         return
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps({"host": HOST, "pid": os.getpid(), "token": token}))
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True, name="cache-lease")
-    beat.start()
     try:
-        yield True
+        yield Lease(path, token)
     finally:
-        stop.set()
-        beat.join()
         with contextlib.suppress(OSError, ValueError):
             if json.loads(path.read_text()).get("token") == token:  # not if a waiter broke it meanwhile
                 path.unlink()
-
-
-def _heartbeat(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        with contextlib.suppress(OSError):
-            os.utime(path)
-            for staging in path.parent.glob(f"{path.name.removesuffix('.lease')}.tmp-{HOST}-{os.getpid()}"):
-                os.utime(staging)  # the staging directory's age tells other hosts it is alive
 
 
 def _break_if_dead(path: Path) -> None:

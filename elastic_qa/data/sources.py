@@ -1,11 +1,14 @@
 """A data source: one or several files (paths or fsspec URLs, globs), SQuAD JSON or JSON Lines, read as a
-stream of validated examples.
+stream of chunks of raw records that any process can turn into validated examples.
 
 `data.source` is a comma-separated list; each entry may be a glob (its matches in sorted order). A file
 whose name ends in `.jsonl` or `.ndjson` (optionally compressed, e.g. `.jsonl.gz`) holds one question a
 line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; any other
-file is SQuAD v1.1/v2.0 JSON, read one article at a time (data.stream). Compression is inferred from the
-name. Question ids are unique over all files of a source.
+file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time (data.stream). Compression is inferred from
+the name. Question ids are unique over all files of a source.
+
+The reading process only cuts the files into chunks (paragraphs' JSON text, or lines); validating them
+(`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on the input only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import glob
 import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
@@ -23,16 +27,19 @@ from elastic_qa.data.squad import (
     DataError,
     QAExample,
     Tally,
+    Unique,
+    bad_article,
     named,
+    paragraph_records,
     parse_qa,
     require_text,
-    squad_records,
-    unique,
     warn_skipped,
 )
-from elastic_qa.data.stream import JSONStreamError, squad_articles
+from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
+CHUNK_CHARS = 64 * 1024  # SQuAD paragraphs' text per chunk (about 200 questions)
+CHUNK_LINES = 256  # JSON Lines per chunk
 
 
 def source_urls(source: str) -> list[str]:
@@ -91,12 +98,88 @@ def file_digest(url: str) -> str:
     return digest.hexdigest()
 
 
-def _squad_file(url: str, skip_malformed: bool, tally: Tally) -> Iterator[tuple[str, QAExample]]:
+@dataclass
+class Chunk:
+    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from data.stream;
+    JSON Lines: (line number, bytes); "examples": ready QAExamples (the synthetic generator)."""
+
+    url: str
+    kind: str  # "squad" | "jsonl" | "examples"
+    records: list
+    error: str | None = None  # the file stopped being readable after these records (raised in order)
+
+
+@dataclass
+class Parsed:
+    records: list[tuple[str, QAExample]]  # (record name, example)
+    skipped: int
+    error: str | None  # a DataError message, to raise after `records`
+
+    def names(self) -> list[tuple[str, str]]:
+        """(record name, question id) of each example: what the reading process needs of them."""
+        return [(record, example.id) for record, example in self.records]
+
+
+def chunks(url: str) -> Iterator[Chunk]:
+    """One file's records, cut into chunks."""
     with open_source(url) as handle:
+        if is_jsonl(url):
+            lines: list[tuple[int, bytes]] = []
+            for number, line in enumerate(handle, start=1):
+                lines.append((number, line))
+                if len(lines) == CHUNK_LINES:
+                    yield Chunk(url, "jsonl", lines)
+                    lines = []
+            if lines:
+                yield Chunk(url, "jsonl", lines)
+            return
+        paragraphs: list[Any] = []
+        size = 0
         try:
-            yield from squad_records(url, squad_articles(handle), skip_malformed, tally)
+            for item in squad_paragraphs(handle):
+                paragraphs.append(item)
+                size += len(item[2] or "")
+                if size >= CHUNK_CHARS:
+                    yield Chunk(url, "squad", paragraphs)
+                    paragraphs, size = [], 0
         except JSONStreamError as err:
-            raise DataError(f"{url}: {err}") from None
+            yield Chunk(url, "squad", paragraphs, f"{url}: {err}")
+            return
+        if paragraphs:
+            yield Chunk(url, "squad", paragraphs)
+
+
+def parse_chunk(chunk: Chunk, skip_malformed: bool) -> Parsed:
+    """Validated examples of a chunk; without skip_malformed, the first malformed record ends it."""
+    tally = Tally()
+    out: list[tuple[str, QAExample]] = []
+    url = chunk.url
+    try:
+        if chunk.kind == "examples":
+            out = [("", example) for example in chunk.records]
+        elif chunk.kind == "squad":
+            for a, p, text in chunk.records:
+                if p is None:
+                    bad_article(url, a, skip_malformed, tally)
+                    continue
+                paragraph = json.loads(text)  # decodes: the reader checked it
+                for item in paragraph_records(
+                    url, f"data[{a}].paragraphs[{p}]", paragraph, skip_malformed, tally
+                ):
+                    out.append(item)
+        else:
+            for number, line in chunk.records:
+                if not line.strip():
+                    continue
+                try:
+                    out.append((f"line {number}", _jsonl_record(line)))
+                except (ValueError, RecursionError) as err:
+                    if not skip_malformed:
+                        raise DataError(f"{url}: {named(f'line {number}', _loose(line))}: {err}") from None
+                    tally.skipped += 1
+    except DataError as err:
+        return Parsed(out, tally.skipped, str(err))
+    return Parsed(out, tally.skipped, chunk.error)
 
 
 def _jsonl_record(line: bytes) -> QAExample:
@@ -117,20 +200,6 @@ def _jsonl_record(line: bytes) -> QAExample:
     return parse_qa(raw, context)
 
 
-def _jsonl_file(url: str, skip_malformed: bool, tally: Tally) -> Iterator[tuple[str, QAExample]]:
-    with open_source(url) as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line {number}", _jsonl_record(line)
-            except (ValueError, RecursionError) as err:
-                if not skip_malformed:
-                    raw = _loose(line)
-                    raise DataError(f"{url}: {named(f'line {number}', raw)}: {err}") from None
-                tally.skipped += 1
-
-
 def _loose(line: bytes) -> Any:
     """The line's object if it decodes (for the id in an error message), else None."""
     try:
@@ -140,7 +209,7 @@ def _loose(line: bytes) -> Any:
 
 
 class ExampleReader:
-    """Validated examples of one source, in order, read as a stream; iterate once per pass.
+    """One source's chunks, and its validated examples in order (iterate once per pass).
 
     A malformed record raises DataError naming the file and the record (SQuAD: `data[a].paragraphs[p]
     .qas[q]`, JSON Lines: `line n`), or with skip_malformed is counted in `tally` and left out.
@@ -152,24 +221,43 @@ class ExampleReader:
         self.tally = Tally()
         self.kept = 0
 
-    def _records(self, skip: bool, tally: Tally) -> Iterator[tuple[str, str, QAExample]]:
+    def chunks(self) -> Iterator[Chunk]:
         for url in self.urls:
-            records = (_jsonl_file if is_jsonl(url) else _squad_file)(url, skip, tally)
-            for record, example in records:
-                yield url, record, example
+            yield from chunks(url)
 
-    def _first_place(self, qid: str) -> str | None:
-        for url, record, example in self._records(True, Tally()):
-            if example.id == qid:
-                return record if len(self.urls) == 1 else f"{url}: {record}"
+    def first_place(self, qid: str) -> str | None:
+        """Where the first valid record with this id is (error path: reads the files again)."""
+        for chunk in self.chunks():
+            for record, example in parse_chunk(chunk, True).records:
+                if example.id == qid:
+                    return record if len(self.urls) == 1 else f"{chunk.url}: {record}"
         return None
 
-    def __iter__(self) -> Iterator[QAExample]:
+    def unique(self) -> Unique:
+        """A fresh pass's duplicate filter; resets the counts."""
         self.tally, self.kept = Tally(), 0
-        records = self._records(self.skip_malformed, self.tally)
-        for example in unique(records, self.skip_malformed, self.tally, self._first_place):
-            self.kept += 1
-            yield example
+        return Unique(self.skip_malformed, self.tally, self.first_place)
+
+    def admit(
+        self, unique: Unique, url: str, names: list[tuple[str, str]], skipped: int, error: str | None
+    ) -> list[bool]:
+        """Which of a parsed chunk's examples (`names`: record, id) to keep; raises its error after them."""
+        self.tally.skipped += skipped
+        keep = [unique.admit(url, record, qid) for record, qid in names]
+        self.kept += sum(keep)
+        if error:
+            raise DataError(error)
+        return keep
+
+    def finish(self) -> None:
         warn_skipped(self.source, self.tally, self.kept)
         if not self.kept:
             raise DataError(f"{self.source}: no usable questions")
+
+    def __iter__(self) -> Iterator[QAExample]:
+        unique = self.unique()
+        for chunk in self.chunks():
+            parsed = parse_chunk(chunk, self.skip_malformed)
+            keep = self.admit(unique, chunk.url, parsed.names(), parsed.skipped, parsed.error)
+            yield from (example for (_, example), kept in zip(parsed.records, keep, strict=True) if kept)
+        self.finish()

@@ -120,31 +120,41 @@ def squad_records(
     for a, article in enumerate(articles):
         paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
         if not isinstance(paragraphs, list):
-            if not skip_malformed:
-                raise DataError(f"{url}: data[{a}]: expected a 'paragraphs' list")
-            tally.skipped += 1
+            bad_article(url, a, skip_malformed, tally)
             continue
         for p, paragraph in enumerate(paragraphs):
-            where = f"data[{a}].paragraphs[{p}]"
-            context = paragraph.get("context") if isinstance(paragraph, dict) else None
-            qas = paragraph.get("qas") if isinstance(paragraph, dict) else None
-            try:
-                if not isinstance(context, str) or not isinstance(qas, list):
-                    raise ValueError("expected a string 'context' and a 'qas' list")
-                require_text(context, "'context'")
-            except ValueError as err:
-                if not skip_malformed:
-                    raise DataError(f"{url}: {where}: {err}") from None
-                tally.skipped += len(qas) if isinstance(qas, list) else 1
-                continue
-            for q, qa in enumerate(qas):
-                record = f"{where}.qas[{q}]"
-                try:
-                    yield record, parse_qa(qa, context)
-                except (ValueError, RecursionError) as err:
-                    if not skip_malformed:
-                        raise DataError(f"{url}: {named(record, qa)}: {err}") from None
-                    tally.skipped += 1
+            yield from paragraph_records(url, f"data[{a}].paragraphs[{p}]", paragraph, skip_malformed, tally)
+
+
+def bad_article(url: str, a: int, skip_malformed: bool, tally: Tally) -> None:
+    if not skip_malformed:
+        raise DataError(f"{url}: data[{a}]: expected a 'paragraphs' list")
+    tally.skipped += 1
+
+
+def paragraph_records(
+    url: str, where: str, paragraph: Any, skip_malformed: bool, tally: Tally
+) -> Iterator[tuple[str, QAExample]]:
+    """(record name, example) of one paragraph (`where` names it); a malformed one raises or is counted."""
+    context = paragraph.get("context") if isinstance(paragraph, dict) else None
+    qas = paragraph.get("qas") if isinstance(paragraph, dict) else None
+    try:
+        if not isinstance(context, str) or not isinstance(qas, list):
+            raise ValueError("expected a string 'context' and a 'qas' list")
+        require_text(context, "'context'")
+    except ValueError as err:
+        if not skip_malformed:
+            raise DataError(f"{url}: {where}: {err}") from None
+        tally.skipped += len(qas) if isinstance(qas, list) else 1
+        return
+    for q, qa in enumerate(qas):
+        record = f"{where}.qas[{q}]"
+        try:
+            yield record, parse_qa(qa, context)
+        except (ValueError, RecursionError) as err:
+            if not skip_malformed:
+                raise DataError(f"{url}: {named(record, qa)}: {err}") from None
+            tally.skipped += 1
 
 
 def named(record: str, raw: Any) -> str:
@@ -153,13 +163,8 @@ def named(record: str, raw: Any) -> str:
     return record + (f" (id {_name(qid)})" if qid else "")
 
 
-def unique(
-    records: Iterable[tuple[str, str, QAExample]],
-    skip_malformed: bool,
-    tally: Tally,
-    first_place: Callable[[str], str | None],
-) -> Iterator[QAExample]:
-    """Examples whose id was not seen before (in `records`, triples of url, record and example).
+class Unique:
+    """Admits each question id once over a stream of examples (one split, all its files).
 
     A question id seen before is malformed too: predictions and scores are keyed by id, so a duplicate
     would silently replace the first question's prediction. The ids seen are kept as 8-byte digests (a
@@ -167,19 +172,23 @@ def unique(
     first occurrence again for the message (and tells a digest collision, odds about 1e-7 at a million
     questions, from a duplicate; with skip_malformed such a collision skips the question).
     """
-    seen: set[int] = set()
-    for url, record, example in records:
-        digest = int.from_bytes(hashlib.blake2b(example.id.encode(), digest_size=8).digest(), "little")
-        if digest in seen:
-            if skip_malformed:
-                tally.skipped += 1
-                tally.duplicates += 1
-                continue
-            first = first_place(example.id)
+
+    def __init__(self, skip_malformed: bool, tally: Tally, first_place: Callable[[str], str | None]) -> None:
+        self.skip_malformed, self.tally, self.first_place = skip_malformed, tally, first_place
+        self.seen: set[int] = set()
+
+    def admit(self, url: str, record: str, qid: str) -> bool:
+        digest = int.from_bytes(hashlib.blake2b(qid.encode(), digest_size=8).digest(), "little")
+        if digest in self.seen:
+            if self.skip_malformed:
+                self.tally.skipped += 1
+                self.tally.duplicates += 1
+                return False
+            first = self.first_place(qid)
             if first is not None:
-                raise DataError(f"{url}: {record} (id {_name(example.id)}): duplicate id, first at {first}")
-        seen.add(digest)
-        yield example
+                raise DataError(f"{url}: {record} (id {_name(qid)}): duplicate id, first at {first}")
+        self.seen.add(digest)
+        return True
 
 
 def warn_skipped(source: str, tally: Tally, kept: int) -> None:
@@ -199,13 +208,12 @@ def parse_squad(doc: Any, url: str, skip_malformed: bool = False) -> tuple[list[
         raise DataError(f"{url}: not SQuAD JSON (expected an object with a 'data' list)")
     tally = Tally()
 
-    def records(skip: bool, into: Tally) -> Iterator[tuple[str, str, QAExample]]:
-        return ((url, r, e) for r, e in squad_records(url, doc["data"], skip, into))
-
     def first_place(qid: str) -> str | None:
-        return next((r for _, r, e in records(True, Tally()) if e.id == qid), None)
+        return next((r for r, e in squad_records(url, doc["data"], True, Tally()) if e.id == qid), None)
 
-    examples = list(unique(records(skip_malformed, tally), skip_malformed, tally, first_place))
+    unique = Unique(skip_malformed, tally, first_place)
+    records = squad_records(url, doc["data"], skip_malformed, tally)
+    examples = [e for r, e in records if unique.admit(url, r, e.id)]
     warn_skipped(url, tally, len(examples))
     if not examples:
         raise DataError(f"{url}: no usable questions")

@@ -27,8 +27,8 @@ class JSONStreamError(ValueError):
 class TextStream:
     """UTF-8 text of a binary handle, buffered; knows the line and column of any buffered index."""
 
-    def __init__(self, handle: IO[bytes], chunk: int = CHUNK) -> None:
-        self.handle, self.chunk = handle, chunk
+    def __init__(self, handle: IO[bytes], chunk: int | None = None) -> None:
+        self.handle, self.chunk = handle, chunk or CHUNK
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")()  # editors on Windows write a BOM
         self.buf, self.pos, self.eof = "", 0, False
         self.line, self.column = 1, 1  # of buf[0]
@@ -78,13 +78,21 @@ class TextStream:
 
     def value(self, depth: int = 0) -> Any:
         """Decode the next JSON value, reading on until the buffer holds all of it."""
+        return self._decode(depth)[0]
+
+    def text(self, depth: int = 0) -> str:
+        """The next JSON value's text, checked by decoding it (the caller decodes it again, elsewhere)."""
+        _, start, end = self._decode(depth)
+        return self.buf[start:end]
+
+    def _decode(self, depth: int) -> tuple[Any, int, int]:
         self.peek()
         while True:
             try:
                 value, end = _DECODER.raw_decode(self.buf, self.pos)
                 if end < len(self.buf) or self.eof:  # a number at the buffer's end may go on
-                    self.pos = end
-                    return value
+                    start, self.pos = self.pos, end
+                    return value, start, end
             except json.JSONDecodeError as err:
                 # Incomplete rather than wrong: the error is at the buffer's end, or a string runs off it.
                 near_end = err.pos >= len(self.buf) - 16 or err.msg.startswith("Unterminated string")
@@ -110,10 +118,42 @@ class TextStream:
         return f"{deepest} levels, deepest at {self.where(where)}"
 
 
-def squad_articles(handle: IO[bytes]) -> Iterator[Any]:
-    """The elements of the top-level object's `data` list, in order; raises JSONStreamError.
+def _members(text: TextStream, depth: int) -> Iterator[str]:
+    """Walk an object's members (its `{` already consumed), yielding each key once its `:` is read;
+    the consumer reads the value before asking for the next key."""
+    if text.peek() == "}":
+        text.pos += 1
+        return
+    while True:
+        key = text.value(depth)
+        if not isinstance(key, str):
+            raise JSONStreamError(f"not valid JSON ({text.where(text.pos)}: expecting a property name)")
+        text.expect(":", "Expecting ':' delimiter")
+        yield key
+        if text.expect(",}", "Expecting ',' delimiter") == "}":
+            return
 
-    Other top-level keys are decoded and dropped. A document without a `data` list raises
+
+def _elements(text: TextStream) -> Iterator[None]:
+    """Walk a list's elements (its `[` already consumed); the consumer reads each one."""
+    if text.peek() == "]":
+        text.pos += 1
+        return
+    while True:
+        yield None
+        if text.expect(",]", "Expecting ',' delimiter") == "]":
+            return
+
+
+Paragraph = tuple[int, int, str] | tuple[int, None, None]
+
+
+def squad_paragraphs(handle: IO[bytes]) -> Iterator[Paragraph]:
+    """(article index, paragraph index, the paragraph's JSON text) of a SQuAD document, in order, and
+    (article index, None, None) for an article without a `paragraphs` list; raises JSONStreamError.
+
+    Memory holds one paragraph at a time (a context and its questions), whatever the size of an
+    article or of the file. Other keys are decoded and dropped. A document without a `data` list raises
     JSONStreamError("not SQuAD JSON ...") once the whole object has been read.
     """
     text = TextStream(handle)
@@ -124,28 +164,31 @@ def squad_articles(handle: IO[bytes]) -> Iterator[Any]:
         raise JSONStreamError("not SQuAD JSON (expected an object with a 'data' list)")
     text.pos += 1
     found = False
-    if text.peek() == "}":
+    articles = 0
+    for key in _members(text, 1):
+        if key != "data" or text.peek() != "[":
+            text.value(1)
+            continue
+        found = True
         text.pos += 1
-    else:
-        while True:
-            key = text.value(1)
-            if not isinstance(key, str):
-                raise JSONStreamError(f"not valid JSON ({text.where(text.pos)}: expecting a property name)")
-            text.expect(":", "Expecting ':' delimiter")
-            if key == "data" and text.peek() == "[":
-                found = True
+        for _ in _elements(text):
+            a, articles = articles, articles + 1
+            if text.peek() != "{":
+                text.value(2)
+                yield a, None, None
+                continue
+            text.pos += 1
+            listed = False
+            for member in _members(text, 3):
+                if member != "paragraphs" or text.peek() != "[":
+                    text.value(3)
+                    continue
+                listed = True
                 text.pos += 1
-                if text.peek() == "]":
-                    text.pos += 1
-                else:
-                    while True:
-                        yield text.value(2)
-                        if text.expect(",]", "Expecting ',' delimiter") == "]":
-                            break
-            else:
-                text.value(1)
-            if text.expect(",}", "Expecting ',' delimiter") == "}":
-                break
+                for p, _ in enumerate(_elements(text)):
+                    yield a, p, text.text(4)
+            if not listed:
+                yield a, None, None
     if text.peek():
         raise JSONStreamError(f"not valid JSON ({text.where(text.pos)}: Extra data)")
     if not found:

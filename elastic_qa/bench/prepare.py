@@ -1,0 +1,266 @@
+"""prepare: building the feature cache at growing sizes, with 1 and 2 tokenising workers.
+
+For each size a SQuAD v2.0-shaped training file (the synthetic generator's facts, contexts of about 120
+words, five questions each) and an evaluation file a tenth of its size are written as streams. Each
+build is `elastic-qa prepare --workers N` in a fresh process and cache directory, timed from Popen to
+exit; its peak memory is the sum of the resident sets of the whole process tree (the command and its
+workers), sampled every 50 ms from /proc (pages shared after fork count once per process: an upper
+bound). Worker counts alternate within each rep. Then the time from process start to the first trained
+step with that cache: `python -m elastic_qa.train` with the same data, timed to its first `step` event
+and killed, so start-up (cache key, opening the cache, model, loader) is measured as training pays it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_qa.bench.common import (
+    BenchError,
+    add_config_arguments,
+    alternate,
+    int_list,
+    new_parser,
+    positive_int,
+    print_table,
+    show,
+    summary,
+)
+from elastic_qa.bench.runs import worker_env
+from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.observe.follow import LogFollower
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+SAMPLE_S = 0.05
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("prepare", __doc__, reps=1)
+    add_config_arguments(parser, "squad")
+    parser.add_argument(
+        "--sizes", type=int_list, default=[13_000, 130_000, 1_300_000], help="training questions per size"
+    )
+    parser.add_argument("--workers", type=int_list, default=[1, 2], help="tokenising workers (default 1,2)")
+    parser.add_argument(
+        "--start-reps", type=positive_int, default=3, help="first-step timings per size (default 3)"
+    )
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one build or start may take")
+    return parser
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of a process and all its descendants, now."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ..., rss at 21
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        rss[pid] = int(fields[21]) * PAGE
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float]:
+    """Run `command` to its end: wall seconds and the peak resident bytes of its process tree."""
+    with open(log, "wb") as out:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, tree_rss(process.pid))
+            if time.perf_counter() - started > timeout:
+                process.kill()
+                process.wait()
+                raise BenchError(f"{command[3]} ran past {timeout:.0f} s (output: {log})")
+            time.sleep(SAMPLE_S)
+        seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise BenchError(f"exit {process.returncode} (output: {log})")
+    return {"seconds": seconds, "peak_rss_bytes": float(peak)}
+
+
+def first_step_s(command: list[str], run_dir: Path, timeout: float) -> float:
+    """Popen -> the first `step` event's timestamp; the run is killed then."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    output = run_dir / "output.log"
+    with open(output, "wb") as out:
+        started = time.time()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        try:
+            follower = LogFollower(run_dir / "logs")
+            while not (steps := [e for e in follower.new_events() if e.get("event") == "step"]):
+                if process.poll() is not None:
+                    raise BenchError(f"training exited with {process.returncode} (output: {output})")
+                if time.time() - started > timeout:
+                    raise BenchError(f"no step within {timeout:.0f} s (output: {output})")
+                time.sleep(0.02)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait()
+    return steps[0]["ts"] - started
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    rows = []
+    for size in args.sizes:
+        data = work / f"data-{size}"
+        data.mkdir(parents=True, exist_ok=True)
+        train, dev = data / "train.json", data / "dev.json"
+        print(f"[prepare] writing {size:,} + {max(1, size // 10):,} questions ...", flush=True)
+        started = time.perf_counter()
+        questions = write_squad_file(str(train), size, seed=1)
+        write_squad_file(str(dev), max(1, size // 10), seed=2)
+        written_s = time.perf_counter() - started
+        data_overrides = [f"data.source={train}", f"data.eval_source={dev}"]
+        builds: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
+        kept_cache = None
+        for rep, workers in alternate(args.reps, args.workers):
+            print(
+                f"[prepare] {size:,} questions, {workers} worker(s), rep {rep + 1}/{args.reps} ...",
+                flush=True,
+            )
+            cache = work / f"cache-{size}-w{workers}-{rep}"
+            command = [
+                sys.executable,
+                "-m",
+                "elastic_qa.cli",
+                "prepare",
+                "--config",
+                args.config,
+                "--workers",
+                str(workers),
+                *args.overrides,
+                *data_overrides,
+                f"data.cache_dir={cache}",
+            ]
+            figures = timed_tree(command, work / f"prepare-{size}-w{workers}-{rep}.log", args.timeout)
+            figures["cache_bytes"] = float(directory_bytes(cache))
+            builds[workers].append(figures)
+            if kept_cache is None:
+                kept_cache = cache
+            else:
+                shutil.rmtree(cache, ignore_errors=True)  # same bytes as the kept one (tested): save disk
+        starts = []
+        for rep in range(args.start_reps):
+            print(f"[prepare] {size:,} questions: start to first step, rep {rep + 1} ...", flush=True)
+            run_dir = work / f"start-{size}-{rep}"
+            command = [
+                sys.executable,
+                "-m",
+                "elastic_qa.train",
+                "--config",
+                args.config,
+                *args.overrides,
+                *data_overrides,
+                f"data.cache_dir={kept_cache}",
+                f"run.dir={run_dir}",
+                "train.eval_every=0",
+                "checkpoint.interval=1000h",
+                "log.every_steps=1",
+                "log.console=none",
+            ]
+            starts.append(first_step_s(command, run_dir, args.timeout))
+        assert kept_cache is not None
+        shutil.rmtree(kept_cache, ignore_errors=True)
+        entry = {
+            "questions": questions,
+            "file_bytes": train.stat().st_size,
+            "write_s": written_s,
+            "first_step_s": summary(starts),
+            "workers": {},
+        }
+        for workers, runs in builds.items():
+            seconds = summary([r["seconds"] for r in runs])
+            entry["workers"][workers] = {
+                "seconds": seconds,
+                "questions_per_s": questions / seconds["median"],
+                "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in runs]),
+                "cache_bytes": runs[0]["cache_bytes"],
+            }
+            rows.append(
+                [
+                    f"{questions:,}",
+                    str(workers),
+                    show(seconds, ".1f"),
+                    f"{questions / seconds['median']:,.0f}",
+                    f"{entry['workers'][workers]['peak_rss_bytes']['median'] / 2**20:,.0f}",
+                    f"{runs[0]['cache_bytes'] / 2**20:,.0f}",
+                    show(entry["first_step_s"], ".2f"),
+                ]
+            )
+        results[str(size)] = entry
+        shutil.rmtree(data, ignore_errors=True)
+    print_table(
+        [
+            "questions",
+            "workers",
+            "seconds",
+            "questions/s",
+            "peak RSS MiB",
+            "cache MiB",
+            "start -> first step s",
+        ],
+        rows,
+    )
+    _goals(results, args.workers)
+    return {
+        "benchmark": "prepare",
+        "settings": {
+            "config": args.config,
+            "overrides": args.overrides,
+            "reps": args.reps,
+            "start_reps": args.start_reps,
+            "sizes": args.sizes,
+            "workers": args.workers,
+            "load_average": os.getloadavg(),
+            "cpus": os.cpu_count(),
+        },
+        "sizes": results,
+    }
+
+
+def _goals(results: dict[str, Any], workers: list[int]) -> None:
+    """The ratios the goals are stated in (printed, not judged: the machine may be loaded)."""
+    sizes = sorted(results, key=int)
+    for size in sizes:
+        by = results[size]["workers"]
+        if 1 in by and 2 in by:
+            speedup = by[1]["seconds"]["median"] / by[2]["seconds"]["median"]
+            print(f"{int(size):,} questions: 2 workers / 1 worker throughput {speedup:.2f}x")
+    if len(sizes) > 1:
+        small, large = results[sizes[0]], results[sizes[-1]]
+        w = workers[0]
+        growth = large["workers"][w]["seconds"]["median"] / small["workers"][w]["seconds"]["median"]
+        scale = large["questions"] / small["questions"]
+        print(
+            f"time {sizes[-1]} / {sizes[0]} questions ({w} worker): {growth:.1f}x for {scale:.0f}x the data"
+        )
+        start = large["first_step_s"]["median"] / small["first_step_s"]["median"]
+        print(f"start -> first step, {sizes[-1]} / {sizes[0]} questions: {start:.3f}")
+    load = os.getloadavg()
+    print(f"load average at the end (1/5/15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
