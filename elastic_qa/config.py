@@ -125,7 +125,8 @@ class DataConfig:
     max_answer_len: int = 16
     """Longest answer span, in tokens, considered at prediction time."""
     cache_dir: str = "~/.cache/elastic_qa"
-    """Local directory of pre-tokenised feature caches (memory-mapped, keyed by content hash)."""
+    """Directory of pre-tokenised feature caches (memory-mapped, keyed by content hash); hosts may share
+    it."""
     num_workers: int = 0
     """StatefulDataLoader worker processes per rank (0: load in the training process)."""
     skip_malformed: bool = False

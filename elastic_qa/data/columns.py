@@ -96,6 +96,9 @@ class StoredExamples(Sequence[QAExample]):
     def __len__(self) -> int:
         return len(self._starts) - 1
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_data": None}  # a memory map is not sent: the receiver maps again
+
     def _bytes(self) -> mmap.mmap:
         if self._data is None:
             with open(self.path, "rb") as handle:
