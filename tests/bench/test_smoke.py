@@ -150,6 +150,7 @@ def test_prepare(tmp_path: Path) -> None:
     )
     size = result["sizes"]["300"]
     assert size["questions"] == 300 and size["file_bytes"] > 0 and positive(size["first_step_s"])
+    assert 0 < size["train_start_s"]["median"] <= size["first_step_s"]["median"]
     for figures in size["workers"].values():
         assert positive(figures["seconds"]) and positive(figures["peak_rss_bytes"])
         assert figures["cache_bytes"] > 0 and figures["questions_per_s"] > 0
