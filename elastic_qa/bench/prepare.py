@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -91,7 +92,12 @@ def tree_rss(root: int) -> int:
 
 
 def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float]:
-    """Run `command` to its end: wall seconds and the peak resident bytes of its process tree."""
+    """Run `command` to its end: wall seconds, CPU seconds and peak resident bytes of its process tree.
+
+    CPU seconds (user + system of the command and every worker it waited for) barely move with the
+    machine's load, unlike wall seconds: they show how the work grows with the data on a shared host.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as out:
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
@@ -106,7 +112,9 @@ def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float
         seconds = time.perf_counter() - started
     if process.returncode != 0:
         raise BenchError(f"exit {process.returncode} (output: {log})")
-    return {"seconds": seconds, "peak_rss_bytes": float(peak)}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_bytes": float(peak)}
 
 
 def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[float, float]:
@@ -218,6 +226,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             seconds = summary([r["seconds"] for r in runs])
             entry["workers"][workers] = {
                 "seconds": seconds,
+                "cpu_seconds": summary([r["cpu_seconds"] for r in runs]),
                 "questions_per_s": questions / seconds["median"],
                 "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in runs]),
                 "cache_bytes": runs[0]["cache_bytes"],
@@ -227,6 +236,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     f"{questions:,}",
                     str(workers),
                     show(seconds, ".1f"),
+                    show(entry["workers"][workers]["cpu_seconds"], ".1f"),
                     f"{questions / seconds['median']:,.0f}",
                     f"{entry['workers'][workers]['peak_rss_bytes']['median'] / 2**20:,.0f}",
                     f"{runs[0]['cache_bytes'] / 2**20:,.0f}",
@@ -241,6 +251,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "questions",
             "workers",
             "seconds",
+            "CPU s",
             "questions/s",
             "peak RSS MiB",
             "cache MiB",
@@ -278,11 +289,13 @@ def _goals(results: dict[str, Any], workers: list[int]) -> None:
     if len(sizes) > 1:
         small, large = results[sizes[0]], results[sizes[-1]]
         w = workers[0]
-        growth = large["workers"][w]["seconds"]["median"] / small["workers"][w]["seconds"]["median"]
         scale = large["questions"] / small["questions"]
-        print(
-            f"time {sizes[-1]} / {sizes[0]} questions ({w} worker): {growth:.1f}x for {scale:.0f}x the data"
-        )
+        for figure in ("seconds", "cpu_seconds"):
+            growth = large["workers"][w][figure]["median"] / small["workers"][w][figure]["median"]
+            print(
+                f"{figure} {sizes[-1]} / {sizes[0]} questions ({w} worker): {growth:.1f}x "
+                f"for {scale:.0f}x the data"
+            )
         for name in ("train_start_s", "first_step_s"):
             ratio = large[name]["median"] / small[name]["median"]
             print(f"{name}, {sizes[-1]} / {sizes[0]} questions: {ratio:.3f}")
