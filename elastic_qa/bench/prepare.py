@@ -5,8 +5,9 @@ words, five questions each) and an evaluation file a tenth of its size are writt
 build is `elastic-qa prepare --workers N` in a fresh process and cache directory, timed from Popen to
 exit; its peak memory is the sum of the resident sets of the whole process tree (the command and its
 workers), sampled every 50 ms from /proc (pages shared after fork count once per process: an upper
-bound). Worker counts alternate within each rep. Then the time from process start to the first trained
-step with that cache: `python -m elastic_qa.train` with the same data, timed to its `train_start` event
+bound). Worker counts alternate within each rep. Then, alternating over the sizes, the time from process
+start to the first trained step with that cache: `python -m elastic_qa.train` with the same data, timed
+to its `train_start` event
 (cache key, opening the cache, model, restore, loader: everything before the loop) and to its first
 `step` event, then killed. The start runs use a small model and batch (START_OVERRIDES; the cache does
 not depend on them): the first step's compute does not depend on the data, and on a shared machine a
@@ -148,104 +149,113 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _builds(args: argparse.Namespace, work: Path, size: int) -> tuple[dict[str, Any], list[str], Path]:
+    """Write one size's files and build its cache with each worker count: the figures, the data
+    overrides and the one cache kept for the start runs."""
+    data = work / f"data-{size}"
+    data.mkdir(parents=True, exist_ok=True)
+    train, dev = data / "train.json", data / "dev.json"
+    print(f"[prepare] writing {size:,} + {max(1, size // 10):,} questions ...", flush=True)
+    started = time.perf_counter()
+    questions = write_squad_file(str(train), size, seed=1)
+    write_squad_file(str(dev), max(1, size // 10), seed=2)
+    entry: dict[str, Any] = {
+        "questions": questions,
+        "file_bytes": train.stat().st_size,
+        "write_s": time.perf_counter() - started,
+        "workers": {},
+    }
+    data_overrides = [f"data.source={train}", f"data.eval_source={dev}"]
+    builds: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
+    kept: Path | None = None
+    for rep, workers in alternate(args.reps, args.workers):
+        print(f"[prepare] {size:,} questions, {workers} worker(s), rep {rep + 1}/{args.reps} ...", flush=True)
+        cache = work / f"cache-{size}-w{workers}-{rep}"
+        command = [
+            sys.executable,
+            "-m",
+            "elastic_qa.cli",
+            "prepare",
+            "--config",
+            args.config,
+            "--workers",
+            str(workers),
+            *args.overrides,
+            *data_overrides,
+            f"data.cache_dir={cache}",
+        ]
+        figures = timed_tree(command, work / f"prepare-{size}-w{workers}-{rep}.log", args.timeout)
+        figures["cache_bytes"] = float(directory_bytes(cache))
+        builds[workers].append(figures)
+        if kept is None:
+            kept = cache
+        else:
+            shutil.rmtree(cache, ignore_errors=True)  # same bytes as the kept one (tested): save disk
+    assert kept is not None
+    for workers, runs in builds.items():
+        seconds = summary([r["seconds"] for r in runs])
+        entry["workers"][workers] = {
+            "seconds": seconds,
+            "cpu_seconds": summary([r["cpu_seconds"] for r in runs]),
+            "questions_per_s": questions / seconds["median"],
+            "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in runs]),
+            "cache_bytes": runs[0]["cache_bytes"],
+        }
+    return entry, data_overrides, kept
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    kept: dict[int, tuple[list[str], Path]] = {}
+    for size in args.sizes:
+        results[str(size)], overrides, cache = _builds(args, work, size)
+        kept[size] = (overrides, cache)
+    # Start runs alternate over the sizes, so that a busy spell on the machine hits every size alike.
+    loops: dict[int, list[float]] = {size: [] for size in args.sizes}
+    steps: dict[int, list[float]] = {size: [] for size in args.sizes}
+    for rep, size in alternate(args.start_reps, args.sizes):
+        print(f"[prepare] {size:,} questions: start to first step, rep {rep + 1} ...", flush=True)
+        run_dir = work / f"start-{size}-{rep}"
+        data_overrides, cache = kept[size]
+        command = [
+            sys.executable,
+            "-m",
+            "elastic_qa.train",
+            "--config",
+            args.config,
+            *args.overrides,
+            *START_OVERRIDES,
+            *data_overrides,
+            f"data.cache_dir={cache}",
+            f"run.dir={run_dir}",
+            "train.eval_every=0",
+            "checkpoint.interval=1000h",
+            "log.every_steps=1",
+            "log.console=none",
+        ]
+        loop, step = first_step_s(command, run_dir, args.timeout)
+        loops[size].append(loop)
+        steps[size].append(step)
     rows = []
     for size in args.sizes:
-        data = work / f"data-{size}"
-        data.mkdir(parents=True, exist_ok=True)
-        train, dev = data / "train.json", data / "dev.json"
-        print(f"[prepare] writing {size:,} + {max(1, size // 10):,} questions ...", flush=True)
-        started = time.perf_counter()
-        questions = write_squad_file(str(train), size, seed=1)
-        write_squad_file(str(dev), max(1, size // 10), seed=2)
-        written_s = time.perf_counter() - started
-        data_overrides = [f"data.source={train}", f"data.eval_source={dev}"]
-        builds: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
-        kept_cache = None
-        for rep, workers in alternate(args.reps, args.workers):
-            print(
-                f"[prepare] {size:,} questions, {workers} worker(s), rep {rep + 1}/{args.reps} ...",
-                flush=True,
-            )
-            cache = work / f"cache-{size}-w{workers}-{rep}"
-            command = [
-                sys.executable,
-                "-m",
-                "elastic_qa.cli",
-                "prepare",
-                "--config",
-                args.config,
-                "--workers",
-                str(workers),
-                *args.overrides,
-                *data_overrides,
-                f"data.cache_dir={cache}",
-            ]
-            figures = timed_tree(command, work / f"prepare-{size}-w{workers}-{rep}.log", args.timeout)
-            figures["cache_bytes"] = float(directory_bytes(cache))
-            builds[workers].append(figures)
-            if kept_cache is None:
-                kept_cache = cache
-            else:
-                shutil.rmtree(cache, ignore_errors=True)  # same bytes as the kept one (tested): save disk
-        starts, loops = [], []
-        for rep in range(args.start_reps):
-            print(f"[prepare] {size:,} questions: start to first step, rep {rep + 1} ...", flush=True)
-            run_dir = work / f"start-{size}-{rep}"
-            command = [
-                sys.executable,
-                "-m",
-                "elastic_qa.train",
-                "--config",
-                args.config,
-                *args.overrides,
-                *START_OVERRIDES,
-                *data_overrides,
-                f"data.cache_dir={kept_cache}",
-                f"run.dir={run_dir}",
-                "train.eval_every=0",
-                "checkpoint.interval=1000h",
-                "log.every_steps=1",
-                "log.console=none",
-            ]
-            loop, step = first_step_s(command, run_dir, args.timeout)
-            loops.append(loop)
-            starts.append(step)
-        assert kept_cache is not None
-        shutil.rmtree(kept_cache, ignore_errors=True)
-        entry = {
-            "questions": questions,
-            "file_bytes": train.stat().st_size,
-            "write_s": written_s,
-            "train_start_s": summary(loops),
-            "first_step_s": summary(starts),
-            "workers": {},
-        }
-        for workers, runs in builds.items():
-            seconds = summary([r["seconds"] for r in runs])
-            entry["workers"][workers] = {
-                "seconds": seconds,
-                "cpu_seconds": summary([r["cpu_seconds"] for r in runs]),
-                "questions_per_s": questions / seconds["median"],
-                "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in runs]),
-                "cache_bytes": runs[0]["cache_bytes"],
-            }
+        entry = results[str(size)]
+        entry["train_start_s"], entry["first_step_s"] = summary(loops[size]), summary(steps[size])
+        shutil.rmtree(kept[size][1], ignore_errors=True)
+        shutil.rmtree(work / f"data-{size}", ignore_errors=True)
+        for workers, figures in entry["workers"].items():
             rows.append(
                 [
-                    f"{questions:,}",
+                    f"{entry['questions']:,}",
                     str(workers),
-                    show(seconds, ".1f"),
-                    show(entry["workers"][workers]["cpu_seconds"], ".1f"),
-                    f"{questions / seconds['median']:,.0f}",
-                    f"{entry['workers'][workers]['peak_rss_bytes']['median'] / 2**20:,.0f}",
-                    f"{runs[0]['cache_bytes'] / 2**20:,.0f}",
+                    show(figures["seconds"], ".1f"),
+                    show(figures["cpu_seconds"], ".1f"),
+                    f"{figures['questions_per_s']:,.0f}",
+                    f"{figures['peak_rss_bytes']['median'] / 2**20:,.0f}",
+                    f"{figures['cache_bytes'] / 2**20:,.0f}",
                     show(entry["train_start_s"], ".2f"),
                     show(entry["first_step_s"], ".2f"),
                 ]
             )
-        results[str(size)] = entry
-        shutil.rmtree(data, ignore_errors=True)
     print_table(
         [
             "questions",
