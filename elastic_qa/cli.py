@@ -1,12 +1,12 @@
 """`elastic-qa`: the commands around training.
 
-    elastic-qa prepare [--config CFG] [overrides]       tokenise once into the memory-mapped cache
+    elastic-qa prepare [--config CFG] [--workers N] [overrides]   tokenise once into the memory-mapped cache
     elastic-qa eval --checkpoint PATH [--data FILE] [--out DIR] [--null-threshold X] [--json]
                                                         SQuAD v2 scores; predictions.json, null_odds.json
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
     elastic-qa export PATH --out DIR [--force]         weights + config, no training state
     elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
-    elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
+    elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR
 
@@ -49,7 +49,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.overrides)
     configure_logging(None, cfg.log.level)
     started = time.perf_counter()
-    data = prepare(cfg, family_for(cfg.model))
+    data = prepare(cfg, family_for(cfg.model), workers=args.workers)
     skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "
@@ -165,6 +165,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path}: {err}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -172,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
     p.add_argument("--config", default="default")
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        help="tokenising processes (default data.prepare_workers: one per CPU core); same cache whatever N",
+    )
     p.add_argument("overrides", nargs="*")
     model_help = "run directory, checkpoint directory (newest valid), step-N directory or exported directory"
     p = sub.add_parser("eval", help="SQuAD v2 EM/F1 of a model; writes predictions.json and null_odds.json")

@@ -105,9 +105,10 @@ _INT32_MAX = 2**31 - 1
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """`synthetic`, or a SQuAD v1.1/v2.0 JSON file as a path or fsspec URL (file://, memory://, s3://)."""
+    """`synthetic`, or SQuAD v1.1/v2.0 JSON or JSON Lines files: paths or fsspec URLs, comma-separated,
+    globs allowed."""
     eval_source: str = ""
-    """SQuAD JSON for evaluation; empty means the synthetic held-out split (or no eval for SQuAD)."""
+    """Files for evaluation, as `source`; empty: the synthetic held-out split (or no eval for files)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """The embedded generator used when source is `synthetic`."""
     tokenizer: Literal["word", "byte"] = "word"
@@ -125,11 +126,14 @@ class DataConfig:
     max_answer_len: int = 16
     """Longest answer span, in tokens, considered at prediction time."""
     cache_dir: str = "~/.cache/elastic_qa"
-    """Local directory of pre-tokenised feature caches (memory-mapped, keyed by content hash)."""
+    """Directory of pre-tokenised feature caches (memory-mapped, keyed by content hash); hosts may share
+    it."""
     num_workers: int = 0
     """StatefulDataLoader worker processes per rank (0: load in the training process)."""
     skip_malformed: bool = False
     """Skip malformed SQuAD records with a counted warning instead of failing."""
+    prepare_workers: int = 0
+    """Processes that tokenise while the feature cache is built (0: one per CPU core); not in the key."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source.strip()), "source", self.source, "must not be empty")
@@ -166,6 +170,7 @@ class DataConfig:
             f"must be in [1, {_INT32_MAX}]",
         )
         _require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
+        _require(self.prepare_workers >= 0, "prepare_workers", self.prepare_workers, "must be >= 0")
 
 
 @dataclass

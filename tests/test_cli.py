@@ -28,6 +28,12 @@ def test_prepare_builds_the_cache_and_reports_its_size(tmp_path: Path) -> None:
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
 
 
+def test_prepare_refuses_zero_workers_with_exit_2(tmp_path: Path) -> None:
+    result = cli("prepare", "--config", "tiny", "--workers", "0", f"data.cache_dir={tmp_path}")
+    assert result.returncode == 2 and "--workers" in result.stderr and "'0'" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_eval_scores_the_newest_checkpoint_and_a_given_step(trained: Path, tmp_path: Path) -> None:
     newest = cli("eval", "--checkpoint", str(trained / "checkpoints"), "--out", str(tmp_path))
     assert newest.returncode == 0, newest.stderr

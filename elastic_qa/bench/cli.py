@@ -6,6 +6,7 @@
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
+    prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
 
 Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
 take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
@@ -30,7 +31,7 @@ from elastic_qa.bench.common import BenchError, write_json
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.observe.log import configure_logging
 
-BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift")
+BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift", "prepare")
 
 
 def main(argv: list[str]) -> int:

@@ -1,19 +1,23 @@
 """Offline pre-tokenisation: a memory-mapped feature cache keyed by a hash of input and settings.
 
-Tokenising once instead of at every (re)start keeps restarts cheap. The cache is a directory of
-`.npy` columns that every rank maps read-only (the page cache shares them between processes). Several
-processes may ask for the same cache at once: one builds it under an exclusive file lock while the others
-wait on the lock, and the finished directory appears in one rename, so a reader never sees half a cache.
+Tokenising once instead of at every (re)start keeps restarts cheap. The cache is a directory of `.npy`
+columns that every rank maps read-only (the page cache shares them between processes), built as a stream
+by several processes (data.build) and published in one rename, so a reader never sees half a cache.
+Ranks of one host queue on a file lock; hosts sharing the directory meet at a lease file (data.lease).
+Opening a cache reads only meta.json and maps the columns, whatever the data's size; the evaluation
+examples are read when evaluation runs.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,14 +27,21 @@ import numpy as np
 
 from elastic_qa.config import Config, DataConfig
 from elastic_qa.data import synthetic
+from elastic_qa.data.build import Workers, build_split, default_workers
+from elastic_qa.data.columns import StoredExamples
 from elastic_qa.data.features import BuiltinFeaturizer, Features
-from elastic_qa.data.squad import Answer, DataError, QAExample, decode_json, parse_squad, read_bytes
+from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish
+from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, source_urls
+from elastic_qa.data.squad import DataError, QAExample
 from elastic_qa.observe.log import get_logger
 
-# Bump when features.py, tokenizer.py, squad.py or synthetic.py change what they produce.
+# Bump when features.py, tokenizer.py, squad.py, sources.py, synthetic.py or the file layout change.
 # 5: int32 answer positions; duplicate question ids refused (or skipped).
 # 6: a `lengths` column (padding ids are the tokenizer's own); features built by the model family.
-CACHE_FORMAT = 6
+# 7: streamed build; uint16 token ids when the vocabulary allows; offsets for the eval split only; eval
+#    examples as indexed JSON Lines; token counts in meta.json; inputs may be several files.
+CACHE_FORMAT = 7
+WAIT_POLL_S = 0.2
 
 
 @dataclass
@@ -39,9 +50,10 @@ class PreparedData:
     path: Path
     train: Features
     eval: Features | None
-    eval_examples: list[QAExample]
+    eval_examples: Sequence[QAExample]  # read from disk on use (StoredExamples)
     vocab_size: int
     skipped: dict[str, int] = field(default_factory=dict)  # malformed records skipped, per split
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)  # per split: examples, windows, tokens
 
 
 class Featurizer(Protocol):
@@ -72,24 +84,20 @@ def _settings(cfg: Config, featurizer: Featurizer) -> dict:
     }
 
 
-def _load_sources(cfg: DataConfig) -> tuple[dict, dict[str, list[QAExample]], dict[str, int]]:
-    """Identity of the inputs (for the key), the parsed examples and the skipped records per split."""
+def _split_sources(cfg: DataConfig) -> dict[str, str]:
+    return {split: url for split, url in (("train", cfg.source), ("eval", cfg.eval_source)) if url}
+
+
+def _chunks(cfg: DataConfig, split: str) -> tuple[ExampleReader | None, Iterator[Chunk]]:
+    """A split's reader (None for the generator, whose examples are valid) and its chunks."""
     if cfg.source == "synthetic":
         syn = cfg.synthetic
-        identity = {"synthetic": asdict(syn)}
-        splits = {
-            "train": synthetic.generate("train", syn.train_examples, syn.seed, syn.unanswerable_fraction),
-            "eval": synthetic.generate("eval", syn.eval_examples, syn.seed, syn.unanswerable_fraction),
-        }
-        return identity, splits, {}
-    identity, splits, skipped = {}, {}, {}
-    for split, url in (("train", cfg.source), ("eval", cfg.eval_source)):
-        if not url:
-            continue
-        raw = read_bytes(url)
-        identity[split] = hashlib.sha256(raw).hexdigest()
-        splits[split], skipped[split] = parse_squad(decode_json(raw, url), url, cfg.skip_malformed)
-    return identity, splits, skipped
+        count = syn.train_examples if split == "train" else syn.eval_examples
+        examples = synthetic.iter_examples(split, count, syn.seed, syn.unanswerable_fraction)
+        batches = iter(lambda: list(itertools.islice(examples, CHUNK_LINES)), [])
+        return None, (Chunk("synthetic", "examples", batch) for batch in batches)
+    reader = ExampleReader(_split_sources(cfg)[split], cfg.skip_malformed)
+    return reader, reader.chunks()
 
 
 def content_hash(url: str, root: Path) -> str:
@@ -112,109 +120,119 @@ def content_hash(url: str, root: Path) -> str:
         index = {}
     if ukey is not None and ukey in index:
         return index[ukey]
-    digest = hashlib.sha256(read_bytes(url)).hexdigest()
+    digest = file_digest(url)
     if ukey is not None:
-        index[ukey] = digest
-        staging = index_path.with_name(f"{index_path.name}.{os.getpid()}")
+        try:  # another process may have added entries meanwhile: merge, do not overwrite
+            index = {**json.loads(index_path.read_text()), ukey: digest}
+        except (OSError, ValueError):
+            index[ukey] = digest
+        staging = index_path.with_name(f"{index_path.name}.{HOST}-{os.getpid()}")
         staging.write_text(json.dumps(index))
         os.replace(staging, index_path)
     return digest
 
 
+def _identity(cfg: DataConfig, root: Path) -> dict:
+    """What the inputs are, by content: the generator's settings, or each file's sha256 in order."""
+    if cfg.source == "synthetic":
+        return {"synthetic": asdict(cfg.synthetic)}
+    root.mkdir(parents=True, exist_ok=True)
+    return {
+        split: [content_hash(url, root) for url in source_urls(spec)]
+        for split, spec in _split_sources(cfg).items()
+    }
+
+
 def cache_key(config: Config | DataConfig, featurizer: Featurizer | None = None) -> str:
     """Hash of the input content and every setting that changes the features."""
     full, featurizer = _resolve(config, featurizer)
-    cfg = full.data
-    if cfg.source == "synthetic":
-        identity = {"synthetic": asdict(cfg.synthetic)}
-    else:
-        root = Path(cfg.cache_dir).expanduser()
-        root.mkdir(parents=True, exist_ok=True)
-        identity = {
-            split: content_hash(url, root)
-            for split, url in (("train", cfg.source), ("eval", cfg.eval_source))
-            if url
-        }
+    identity = _identity(full.data, Path(full.data.cache_dir).expanduser())
     blob = json.dumps({"inputs": identity, "settings": _settings(full, featurizer)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _write_split(directory: Path, features: Features) -> None:
-    directory.mkdir(parents=True)
-    for column in Features.COLUMNS:
-        np.save(directory / f"{column}.npy", getattr(features, column))
+def _read_split(directory: Path, windows: int) -> Features:
+    columns = {}
+    for name in Features.COLUMNS:
+        path = directory / f"{name}.npy"
+        if name == "offsets" and not path.exists():  # kept for the evaluation split only
+            columns[name] = None
+            continue
+        columns[name] = np.load(path, mmap_mode="r")
+        if len(columns[name]) != windows:
+            raise ValueError(f"{path.name} has {len(columns[name])} rows, meta.json says {windows}")
+    return Features(**columns)
 
 
-def _read_split(directory: Path) -> Features:
-    return Features(**{c: np.load(directory / f"{c}.npy", mmap_mode="r") for c in Features.COLUMNS})
-
-
-def _examples_to_json(examples: list[QAExample]) -> list[dict]:
-    return [
-        {
-            "id": e.id,
-            "question": e.question,
-            "context": e.context,
-            "answers": [[a.text, a.start] for a in e.answers],
-        }
-        for e in examples
-    ]
-
-
-def _examples_from_json(rows: list[dict]) -> list[QAExample]:
-    return [
-        QAExample(r["id"], r["question"], r["context"], tuple(Answer(t, s) for t, s in r["answers"]))
-        for r in rows
-    ]
-
-
-def _build(full: Config, featurizer: Featurizer, key: str, final: Path) -> None:
-    """Build under the key's lock: any `<key>.tmp-*` left is from a builder that died (SIGKILL)."""
+def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int, held: Lease) -> None:
+    """Build into a private staging directory and publish it with one rename (see publish)."""
     started = time.perf_counter()
     cfg = full.data
-    identity, splits, skipped = _load_sources(cfg)
     tokenizer = featurizer.tokenizer(full)
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    staging = final.with_name(f"{final.name}.tmp-{HOST}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    held.touched.append(staging)  # its age tells builders on other hosts that it is alive
     counts = {}
+    pool = Workers(featurizer, full, workers, held.beat)
     try:  # whatever stops the build (bad data, a full disk, Ctrl-C) takes its half-written files along
-        for split, examples in splits.items():
-            features = featurizer.features(examples, full)
-            _write_split(staging / split, features)
-            counts[split] = {
-                "examples": len(examples),
-                "windows": len(features),
-                "skipped": skipped.get(split, 0),
-            }
-        if "eval" in splits:
-            (staging / "eval_examples.json").write_text(json.dumps(_examples_to_json(splits["eval"])))
+        splits = ("train", "eval") if cfg.source == "synthetic" else tuple(_split_sources(cfg))
+        for split in splits:
+            reader, chunks = _chunks(cfg, split)
+            built = build_split(reader, chunks, pool, staging / split, tokenizer.vocab_size, split == "eval")
+            counts[split] = {**asdict(built), "skipped": reader.tally.skipped if reader else 0}
         meta = {
             "key": key,
-            "inputs": identity,
+            "inputs": _identity(cfg, final.parent),
             "settings": _settings(full, featurizer),
             "counts": counts,
             "vocab_size": tokenizer.vocab_size,
         }
-        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(staging, final)
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        pool.close()
+        published = publish(staging, final)
     except BaseException:
+        pool.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     get_logger().info(
-        "cache_built",
+        "cache_built" if published else "cache_built_by_another",
         path=str(final),
         seconds=round(time.perf_counter() - started, 3),
+        workers=workers,
         **{f"{s}_windows": c["windows"] for s, c in counts.items()},
     )
 
 
-def prepare(config: Config | DataConfig, featurizer: Featurizer | None = None) -> PreparedData:
+def _ready(final: Path) -> bool:
+    return (final / "meta.json").exists()
+
+
+def _build_once(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int) -> None:
+    """Until the cache is published: build it if this process gets the lease, else wait for who has it."""
+    root = final.parent
+    while not _ready(final):
+        if final.exists():  # published caches are complete, so only an outside hand leaves this state
+            raise DataError(
+                f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
+            )
+        with lease(root / f"{key}.lease") as held:
+            if held is not None and not _ready(final):
+                clean_stale_staging(root, key)
+                _build(full, featurizer, key, final, workers, held)
+        if held is None:
+            time.sleep(WAIT_POLL_S)
+
+
+def prepare(
+    config: Config | DataConfig, featurizer: Featurizer | None = None, workers: int | None = None
+) -> PreparedData:
     """Return the cached features for `config`, building them first if no process has yet.
 
     `featurizer` is the model family's (`models.family_for(cfg.model)`); without one, the built-in
-    tokenizers of the native model (a bare DataConfig means that too).
+    tokenizers of the native model (a bare DataConfig means that too). `workers`: tokenising processes
+    of a build (default data.prepare_workers; 0 there means one per CPU core); never part of the key.
+    Opening an existing cache reads meta.json and maps the columns: its cost does not grow with the data.
     """
     full, featurizer = _resolve(config, featurizer)
     cfg = full.data
@@ -222,28 +240,30 @@ def prepare(config: Config | DataConfig, featurizer: Featurizer | None = None) -
     root = Path(cfg.cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     final = root / key
-    if not (final / "meta.json").exists():
+    if not _ready(final):
+        workers = workers or cfg.prepare_workers or default_workers()
         with open(root / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the first process builds; the others wait here
-            if not (final / "meta.json").exists():
-                if final.exists():  # the rename is atomic, so only an outside hand leaves this state
-                    raise DataError(
-                        f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
-                    )
-                _build(full, featurizer, key, final)
+            # Ranks of one host queue here; hosts sharing the directory meet at the lease (see lease.py).
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _build_once(full, featurizer, key, final, workers)
+    return open_cache(final, key)
+
+
+def open_cache(final: Path, key: str) -> PreparedData:
+    """The published cache at `final`: meta.json and memory maps (a damaged one is a DataError)."""
     try:
         meta = json.loads((final / "meta.json").read_text())
-        eval_examples = []
-        if (final / "eval_examples.json").exists():
-            eval_examples = _examples_from_json(json.loads((final / "eval_examples.json").read_text()))
+        counts = meta["counts"]
+        has_eval = "eval" in counts
         return PreparedData(
             key=key,
             path=final,
-            train=_read_split(final / "train"),
-            eval=_read_split(final / "eval") if (final / "eval").exists() else None,
-            eval_examples=eval_examples,
+            train=_read_split(final / "train", int(counts["train"]["windows"])),
+            eval=_read_split(final / "eval", int(counts["eval"]["windows"])) if has_eval else None,
+            eval_examples=StoredExamples(final / "eval") if has_eval else [],
             vocab_size=int(meta["vocab_size"]),
-            skipped={split: int(c.get("skipped", 0)) for split, c in meta.get("counts", {}).items()},
+            skipped={split: int(c.get("skipped", 0)) for split, c in counts.items()},
+            counts=counts,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise DataError(

@@ -27,7 +27,8 @@ class Features:
     start_positions: np.ndarray  # int32 [N]: any max_seq_len DataConfig accepts (int16 stopped at 32767)
     end_positions: np.ndarray  # int32 [N]
     example_index: np.ndarray  # int32 [N]: which example a window came from
-    offsets: np.ndarray  # int32 [N, L, 2]: character span of context tokens, -1 elsewhere
+    offsets: np.ndarray | None  # int32 [N, L, 2]: character span of context tokens, -1 elsewhere
+    # (the feature cache keeps offsets for the evaluation split only: training never reads them)
 
     COLUMNS = (
         "input_ids",
@@ -43,10 +44,10 @@ class Features:
         return len(self.input_ids)
 
 
-def _answer_tokens(spans: list[tuple[int, int]], start_char: int, end_char: int) -> tuple[int, int]:
-    """First and last context token overlapping [start_char, end_char)."""
-    first = next(i for i, (s, e) in enumerate(spans) if e > start_char)
-    last = max(i for i, (s, e) in enumerate(spans) if s < end_char)
+def _answer_tokens(spans: np.ndarray, start_char: int, end_char: int) -> tuple[int, int]:
+    """First and last context token overlapping [start_char, end_char) (token spans run in text order)."""
+    first = int(np.searchsorted(spans[:, 1], start_char, side="right"))
+    last = int(np.searchsorted(spans[:, 0], end_char, side="left")) - 1
     return first, max(first, last)
 
 
@@ -86,42 +87,53 @@ def build_features(
     max_query_len: int,
     doc_stride: int,
 ) -> Features:
-    rows_ids, rows_len, rows_seg, rows_off, starts, ends, owners = [], [], [], [], [], [], []
+    # Pass 1 plans the windows; pass 2 writes them into preallocated columns (no per-token lists).
+    plans = []  # (example, question ids, context ids, context spans, window start, window end, start, end)
+    context, c_ids, c_spans = None, np.zeros(0, np.int64), np.zeros((0, 2), np.int64)
     for example_index, example in enumerate(examples):
         q_ids = tokenizer.encode(example.question)[0][:max_query_len]
-        c_ids, c_spans = tokenizer.encode(example.context)
+        if example.context != context:  # SQuAD asks several questions of one context: encode it once
+            context = example.context
+            ids, spans = tokenizer.encode(context)
+            c_ids, c_spans = np.asarray(ids, np.int64), np.asarray(spans, np.int64).reshape(-1, 2)
         answer = None
-        if example.answers and c_ids:
+        if example.answers and len(c_ids):
             first = example.answers[0]
             answer = _answer_tokens(c_spans, first.start, first.start + len(first.text))
-        room = max_seq_len - len(q_ids) - 3
+        head = len(q_ids) + 2
+        room = max_seq_len - head - 1
         window_start = 0
         while True:
             window_end = min(window_start + room, len(c_ids))
-            head = [CLS, *q_ids, SEP]
-            ids = head + c_ids[window_start:window_end] + [SEP]
-            offsets = [(-1, -1)] * len(head) + c_spans[window_start:window_end] + [(-1, -1)]
             start = end = 0
             if answer and window_start <= answer[0] and answer[1] < window_end:
-                start = answer[0] - window_start + len(head)
-                end = answer[1] - window_start + len(head)
-            pad = max_seq_len - len(ids)
-            rows_ids.append(ids + [PAD] * pad)
-            rows_len.append(len(ids))
-            rows_seg.append([0] * len(head) + [1] * (len(ids) - len(head)) + [0] * pad)
-            rows_off.append(offsets + [(-1, -1)] * pad)
-            starts.append(start)
-            ends.append(end)
-            owners.append(example_index)
+                start = answer[0] - window_start + head
+                end = answer[1] - window_start + head
+            plans.append((example_index, q_ids, c_ids, c_spans, window_start, window_end, start, end))
             if window_end >= len(c_ids):
                 break
             window_start += room - doc_stride
+    count = len(plans)
+    input_ids = np.full((count, max_seq_len), PAD, np.int32)
+    segment_ids = np.zeros((count, max_seq_len), np.int8)
+    offsets = np.full((count, max_seq_len, 2), -1, np.int32)
+    lengths = np.zeros(count, np.int32)
+    starts, ends, owners = (np.zeros(count, np.int32) for _ in range(3))
+    for row, (owner, q_ids, c_ids, c_spans, first, stop, start, end) in enumerate(plans):
+        head = len(q_ids) + 2
+        tail = head + stop - first  # the closing [SEP]
+        input_ids[row, :head] = [CLS, *q_ids, SEP]
+        input_ids[row, head:tail] = c_ids[first:stop]
+        input_ids[row, tail] = SEP
+        segment_ids[row, head : tail + 1] = 1
+        offsets[row, head:tail] = c_spans[first:stop]
+        lengths[row], starts[row], ends[row], owners[row] = tail + 1, start, end, owner
     return Features(
-        input_ids=np.asarray(rows_ids, dtype=np.int32),
-        lengths=np.asarray(rows_len, dtype=np.int32),
-        segment_ids=np.asarray(rows_seg, dtype=np.int8),
-        start_positions=np.asarray(starts, dtype=np.int32),
-        end_positions=np.asarray(ends, dtype=np.int32),
-        example_index=np.asarray(owners, dtype=np.int32),
-        offsets=np.asarray(rows_off, dtype=np.int32).reshape(len(rows_ids), max_seq_len, 2),
+        input_ids=input_ids,
+        lengths=lengths,
+        segment_ids=segment_ids,
+        start_positions=starts,
+        end_positions=ends,
+        example_index=owners,
+        offsets=offsets,
     )

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
+import hashlib
 import re
 import reprlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import fsspec
 
 from elastic_qa.observe.log import get_logger
 
@@ -35,52 +34,6 @@ class QAExample:
         return not self.answers
 
 
-def read_bytes(url: str) -> bytes:
-    try:
-        with fsspec.open(url, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        raise DataError(f"{url}: file not found") from None
-    except (OSError, ValueError, ImportError) as err:
-        raise DataError(f"{url}: cannot read ({err})") from None
-
-
-def decode_json(raw: bytes, url: str) -> Any:
-    try:
-        text = raw.decode("utf-8-sig")  # editors on Windows start UTF-8 files with a BOM
-    except UnicodeDecodeError as err:
-        raise DataError(f"{url}: not UTF-8 text (byte {err.start})") from None
-    if not text.strip():
-        raise DataError(f"{url}: empty file, not SQuAD JSON")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{url}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
-    except RecursionError:  # the json module recurses once per level of nesting
-        raise DataError(f"{url}: JSON nested too deeply to read ({_deepest(text)})") from None
-    except ValueError as err:  # e.g. an integer literal longer than Python's 4300-digit limit
-        raise DataError(f"{url}: unreadable JSON value ({str(err).split(':')[0]})") from None
-
-
-_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
-
-
-def _deepest(text: str) -> str:
-    """Depth and position of the most deeply nested value (error path only: a pass over the text)."""
-    depth = deepest = where = 0
-    for match in _STRUCTURE.finditer(text):
-        char = match.group()
-        if char in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest, where = depth, match.start()
-        elif char in "]}":
-            depth -= 1
-    line = text.count("\n", 0, where) + 1
-    column = where - text.rfind("\n", 0, where)
-    return f"{deepest} levels, deepest at line {line}, column {column}"
-
-
 # Values from the file are shown escaped, shortened and only a few levels deep: an error message is one
 # line of readable length whatever the record holds (a newline, a megabyte, a 900-level list).
 _SHOWN = reprlib.Repr()
@@ -102,7 +55,7 @@ def _name(qid: Any) -> str:
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def _require_text(text: str, what: str) -> None:
+def require_text(text: str, what: str) -> None:
     """JSON can escape a lone UTF-16 surrogate (\\ud800), which is no character: it cannot be encoded
     later (tokeniser, cache, predictions), so it is refused here, with the record still known."""
     if not text.isascii():
@@ -113,16 +66,16 @@ def _require_text(text: str, what: str) -> None:
             )
 
 
-def _parse_qa(qa: Any, context: str) -> QAExample:
+def parse_qa(qa: Any, context: str) -> QAExample:
     if not isinstance(qa, dict):
         raise ValueError("a qas entry is not an object")
     qid, question = qa.get("id"), qa.get("question")
     if not isinstance(qid, str) or not qid:
         raise ValueError("missing string 'id'")
-    _require_text(qid, "'id'")
+    require_text(qid, "'id'")
     if not isinstance(question, str) or not question.strip():
         raise ValueError("missing or empty 'question'")
-    _require_text(question, "'question'")
+    require_text(question, "'question'")
     impossible = qa.get("is_impossible", False)
     if not isinstance(impossible, bool):
         raise ValueError(f"'is_impossible' must be true or false, not {_show(impossible)}")
@@ -153,65 +106,123 @@ def _parse_qa(qa: Any, context: str) -> QAExample:
     return QAExample(qid, question, context, tuple(answers))
 
 
-def parse_squad(doc: Any, url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
-    """Examples in file order and the number of malformed records skipped (0 unless skip_malformed).
+class Tally:
+    """Malformed records skipped while reading one split (the duplicates among them counted too)."""
 
-    A question id seen before is malformed too: predictions and scores are keyed by id, so a duplicate
-    would silently replace the first question's prediction.
-    """
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-        raise DataError(f"{url}: not SQuAD JSON (expected an object with a 'data' list)")
-    examples: list[QAExample] = []
-    first_seen: dict[str, str] = {}  # question id -> where it first appeared
-    skipped = duplicates = 0
-    for a, article in enumerate(doc["data"]):
+    def __init__(self) -> None:
+        self.skipped = self.duplicates = 0
+
+
+def squad_records(
+    url: str, articles: Iterable[Any], skip_malformed: bool, tally: Tally
+) -> Iterator[tuple[str, QAExample]]:
+    """(record name, example) of SQuAD articles in order; a malformed one raises or is counted."""
+    for a, article in enumerate(articles):
         paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
         if not isinstance(paragraphs, list):
-            if not skip_malformed:
-                raise DataError(f"{url}: data[{a}]: expected a 'paragraphs' list")
-            skipped += 1
+            bad_article(url, a, skip_malformed, tally)
             continue
         for p, paragraph in enumerate(paragraphs):
-            where = f"data[{a}].paragraphs[{p}]"
-            context = paragraph.get("context") if isinstance(paragraph, dict) else None
-            qas = paragraph.get("qas") if isinstance(paragraph, dict) else None
-            try:
-                if not isinstance(context, str) or not isinstance(qas, list):
-                    raise ValueError("expected a string 'context' and a 'qas' list")
-                _require_text(context, "'context'")
-            except ValueError as err:
-                if not skip_malformed:
-                    raise DataError(f"{url}: {where}: {err}") from None
-                skipped += len(qas) if isinstance(qas, list) else 1
-                continue
-            for q, qa in enumerate(qas):
-                record = f"{where}.qas[{q}]"
-                try:
-                    example = _parse_qa(qa, context)
-                    if example.id in first_seen:
-                        duplicates += 1
-                        raise ValueError(f"duplicate id, first at {first_seen[example.id]}")
-                except (ValueError, RecursionError) as err:
-                    qid = qa.get("id") if isinstance(qa, dict) else None
-                    if not skip_malformed:
-                        named = record + (f" (id {_name(qid)})" if qid else "")
-                        raise DataError(f"{url}: {named}: {err}") from None
-                    skipped += 1
-                    continue
-                first_seen[example.id] = record
-                examples.append(example)
-    if skipped:
+            yield from paragraph_records(url, f"data[{a}].paragraphs[{p}]", paragraph, skip_malformed, tally)
+
+
+def bad_article(url: str, a: int, skip_malformed: bool, tally: Tally) -> None:
+    if not skip_malformed:
+        raise DataError(f"{url}: data[{a}]: expected a 'paragraphs' list")
+    tally.skipped += 1
+
+
+def paragraph_records(
+    url: str, where: str, paragraph: Any, skip_malformed: bool, tally: Tally
+) -> Iterator[tuple[str, QAExample]]:
+    """(record name, example) of one paragraph (`where` names it); a malformed one raises or is counted."""
+    context = paragraph.get("context") if isinstance(paragraph, dict) else None
+    qas = paragraph.get("qas") if isinstance(paragraph, dict) else None
+    try:
+        if not isinstance(context, str) or not isinstance(qas, list):
+            raise ValueError("expected a string 'context' and a 'qas' list")
+        require_text(context, "'context'")
+    except ValueError as err:
+        if not skip_malformed:
+            raise DataError(f"{url}: {where}: {err}") from None
+        tally.skipped += len(qas) if isinstance(qas, list) else 1
+        return
+    for q, qa in enumerate(qas):
+        record = f"{where}.qas[{q}]"
+        try:
+            yield record, parse_qa(qa, context)
+        except (ValueError, RecursionError) as err:
+            if not skip_malformed:
+                raise DataError(f"{url}: {named(record, qa)}: {err}") from None
+            tally.skipped += 1
+
+
+def named(record: str, raw: Any) -> str:
+    """A record's place, with its id when it has one."""
+    qid = raw.get("id") if isinstance(raw, dict) else None
+    return record + (f" (id {_name(qid)})" if qid else "")
+
+
+class Unique:
+    """Admits each question id once over a stream of examples (one split, all its files).
+
+    A question id seen before is malformed too: predictions and scores are keyed by id, so a duplicate
+    would silently replace the first question's prediction. The ids seen are kept as 8-byte digests (a
+    few dozen bytes a question, not the strings); when a digest repeats, `first_place(id)` finds the
+    first occurrence again for the message (and tells a digest collision, odds about 1e-7 at a million
+    questions, from a duplicate; with skip_malformed such a collision skips the question).
+    """
+
+    def __init__(self, skip_malformed: bool, tally: Tally, first_place: Callable[[str], str | None]) -> None:
+        self.skip_malformed, self.tally, self.first_place = skip_malformed, tally, first_place
+        self.seen: set[int] = set()
+
+    def admit(self, url: str, record: str, qid: str) -> bool:
+        digest = int.from_bytes(hashlib.blake2b(qid.encode(), digest_size=8).digest(), "little")
+        if digest in self.seen:
+            if self.skip_malformed:
+                self.tally.skipped += 1
+                self.tally.duplicates += 1
+                return False
+            first = self.first_place(qid)
+            if first is not None:
+                raise DataError(f"{url}: {record} (id {_name(qid)}): duplicate id, first at {first}")
+        self.seen.add(digest)
+        return True
+
+
+def warn_skipped(source: str, tally: Tally, kept: int) -> None:
+    if tally.skipped:
         get_logger().warning(
             "malformed_records_skipped",
-            source=url,
-            skipped=skipped,
-            duplicate_ids=duplicates,
-            kept=len(examples),
+            source=source,
+            skipped=tally.skipped,
+            duplicate_ids=tally.duplicates,
+            kept=kept,
         )
+
+
+def parse_squad(doc: Any, url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
+    """Examples of a decoded SQuAD document in file order, and the malformed records skipped."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        raise DataError(f"{url}: not SQuAD JSON (expected an object with a 'data' list)")
+    tally = Tally()
+
+    def first_place(qid: str) -> str | None:
+        return next((r for r, e in squad_records(url, doc["data"], True, Tally()) if e.id == qid), None)
+
+    unique = Unique(skip_malformed, tally, first_place)
+    records = squad_records(url, doc["data"], skip_malformed, tally)
+    examples = [e for r, e in records if unique.admit(url, r, e.id)]
+    warn_skipped(url, tally, len(examples))
     if not examples:
         raise DataError(f"{url}: no usable questions")
-    return examples, skipped
+    return examples, tally.skipped
 
 
 def read_squad(url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
-    return parse_squad(decode_json(read_bytes(url), url), url, skip_malformed)
+    """Examples of one data source (SQuAD JSON or JSON Lines; several files, a glob) and records skipped."""
+    from elastic_qa.data.sources import ExampleReader  # sources builds on this module
+
+    reader = ExampleReader(url, skip_malformed)
+    return list(reader), reader.tally.skipped

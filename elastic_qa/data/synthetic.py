@@ -9,7 +9,9 @@ not have in the context: unanswerable, SQuAD v2 style.
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Iterator
 
 from elastic_qa.data.squad import Answer, QAExample
 
@@ -139,11 +141,78 @@ def _example(world: _World, rng: random.Random, qid: str, unanswerable: bool) ->
     return QAExample(qid, question, context, (answer,) if answer else ())
 
 
-def generate(split: str, count: int, seed: int, unanswerable_fraction: float) -> list[QAExample]:
-    """`count` examples of `split` ("train" or "eval"); the same arguments give identical examples."""
+def iter_examples(split: str, count: int, seed: int, unanswerable_fraction: float) -> Iterator[QAExample]:
+    """`count` examples of `split` ("train" or "eval"), one at a time; the same arguments, the same ones."""
     world = _World(random.Random(f"world-{seed}"))
     rng = random.Random(f"{split}-{seed}")
-    return [
-        _example(world, rng, f"syn-{split}-{i:07d}", rng.random() < unanswerable_fraction)
-        for i in range(count)
-    ]
+    for i in range(count):
+        yield _example(world, rng, f"syn-{split}-{i:07d}", rng.random() < unanswerable_fraction)
+
+
+def generate(split: str, count: int, seed: int, unanswerable_fraction: float) -> list[QAExample]:
+    """`count` examples of `split` ("train" or "eval"); the same arguments give identical examples."""
+    return list(iter_examples(split, count, seed, unanswerable_fraction))
+
+
+# ---- SQuAD-shaped files of any size (benchmarks, tests of the streaming reader) -------------------------
+_PARAGRAPH_PEOPLE = 8
+_QUESTIONS_PER_PARAGRAPH = 5
+_PARAGRAPHS_PER_ARTICLE = 10
+_ASKABLE = sorted(r for r in _RELATIONS if r != "friend")  # a friend could answer two ways
+
+
+def _paragraph(world: _World, rng: random.Random, prefix: str, unanswerable_fraction: float) -> dict:
+    """About 120 words of facts on eight people and five questions on them (SQuAD v2 JSON shape)."""
+    people = rng.sample(world.people, _PARAGRAPH_PEOPLE)
+    facts = [(p, r) for p in people for r in rng.sample(_ASKABLE, rng.randint(2, 3))]
+    rng.shuffle(facts)
+    context, where = "", {}
+    for person, relation in facts:
+        value = world.value(relation, rng, person, person)
+        template = rng.choice(_RELATIONS[relation][0])
+        if context:
+            context += " "
+        where[person, relation] = (value, len(context) + template.format(e=person, v="\0").index("\0"))
+        context += template.format(e=person, v=value)
+    qas = []
+    for q, (person, relation) in enumerate(rng.sample(facts, _QUESTIONS_PER_PARAGRAPH)):
+        if rng.random() < unanswerable_fraction:  # ask for a relation this person has no fact of
+            missing = [r for r in _ASKABLE if (person, r) not in where]
+            relation = rng.choice(missing)
+        question = rng.choice(_RELATIONS[relation][1]).format(e=person)
+        found = where.get((person, relation))
+        answers = [{"text": found[0], "answer_start": found[1]}] if found else []
+        qas.append(
+            {"id": f"{prefix}-{q}", "question": question, "answers": answers, "is_impossible": not found}
+        )
+    return {"context": context, "qas": qas}
+
+
+def write_squad_file(path: str, questions: int, seed: int, unanswerable_fraction: float = 0.15) -> int:
+    """Write a SQuAD v2.0 JSON file of `questions` (rounded up to whole paragraphs) as a stream.
+
+    Contexts of about 120 words, five questions each, ten paragraphs an article. `.jsonl` in the name
+    writes JSON Lines (one question a line) instead. Returns the number of questions written.
+    """
+    world = _World(random.Random(f"world-{seed}"))
+    rng = random.Random(f"file-{seed}")
+    paragraphs = -(-questions // _QUESTIONS_PER_PARAGRAPH)
+    lines = path.endswith(".jsonl")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write("" if lines else '{"version": "v2.0", "data": [\n')
+        for first in range(0, paragraphs, _PARAGRAPHS_PER_ARTICLE):
+            count = min(_PARAGRAPHS_PER_ARTICLE, paragraphs - first)
+            article = [
+                _paragraph(world, rng, f"gen-{i:08d}", unanswerable_fraction)
+                for i in range(first, first + count)
+            ]
+            if lines:
+                for p in article:
+                    out.writelines(json.dumps({"context": p["context"], **qa}) + "\n" for qa in p["qas"])
+            else:
+                out.write(
+                    (",\n" if first else "")
+                    + json.dumps({"title": f"article {first}", "paragraphs": article})
+                )
+        out.write("" if lines else "\n]}\n")
+    return paragraphs * _QUESTIONS_PER_PARAGRAPH

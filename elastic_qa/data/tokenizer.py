@@ -22,6 +22,7 @@ NUM_SPECIAL = 4
 _CJK = "\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef"
 _WORD_PATTERN = re.compile(rf"[{_CJK}]|[^\W{_CJK}]+|[^\w\s]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_MEMO_WORDS = 200_000  # words whose id is remembered (about 20 MB)
 
 
 class Tokenizer(Protocol):
@@ -44,22 +45,21 @@ class WordTokenizer:
         self._ids: dict[str, int] = {}
 
     def _id(self, word: str) -> int:
-        token_id = self._ids.get(word)
-        if token_id is None:
-            key = word.lower() if self.lowercase else word
-            # surrogatepass: a lone surrogate (from a command-line argument, say) hashes instead of raising
-            token_id = NUM_SPECIAL + zlib.crc32(key.encode("utf-8", "surrogatepass")) % (
-                self.vocab_size - NUM_SPECIAL
-            )
-            self._ids[word] = token_id
+        key = word.lower() if self.lowercase else word
+        # surrogatepass: a lone surrogate (from a command-line argument, say) hashes instead of raising
+        token_id = NUM_SPECIAL + zlib.crc32(key.encode("utf-8", "surrogatepass")) % (
+            self.vocab_size - NUM_SPECIAL
+        )
+        if len(self._ids) >= _MEMO_WORDS:  # a memo, not a vocabulary: bounded whatever the data
+            self._ids.clear()
+        self._ids[word] = token_id
         return token_id
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        ids, spans = [], []
-        for match in _WORD_PATTERN.finditer(text):
-            ids.append(self._id(match.group()))
-            spans.append(match.span())
-        return ids, spans
+        matches = list(_WORD_PATTERN.finditer(text))
+        known = self._ids.get
+        ids = [known(word) or self._id(word) for word in map(re.Match.group, matches)]  # ids are >= 4
+        return ids, [match.span() for match in matches]
 
 
 class ByteTokenizer:

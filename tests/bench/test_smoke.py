@@ -142,3 +142,15 @@ def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], capsys: pytest.C
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err and len(err.splitlines()) == 1, err
+
+
+def test_prepare(tmp_path: Path) -> None:
+    result = bench(
+        tmp_path, "prepare", "--config", "tiny", "--sizes", "300", "--workers", "1", "--start-reps", "1"
+    )
+    size = result["sizes"]["300"]
+    assert size["questions"] == 300 and size["file_bytes"] > 0 and positive(size["first_step_s"])
+    assert 0 < size["train_start_s"]["median"] <= size["first_step_s"]["median"]
+    for figures in size["workers"].values():
+        assert positive(figures["seconds"]) and positive(figures["peak_rss_bytes"])
+        assert figures["cache_bytes"] > 0 and figures["questions_per_s"] > 0

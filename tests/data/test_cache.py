@@ -13,8 +13,9 @@ import pytest
 
 from elastic_qa.config import DataConfig, load_config, packaged_config
 from elastic_qa.data import cache
+from elastic_qa.data.build import EVAL_COLUMNS, TRAIN_COLUMNS
 from elastic_qa.data.cache import cache_key, prepare
-from elastic_qa.data.features import Features, build_features
+from elastic_qa.data.features import build_features
 from elastic_qa.data.squad import DataError, read_squad
 from elastic_qa.data.synthetic import generate
 from elastic_qa.data.tokenizer import WordTokenizer
@@ -46,7 +47,8 @@ def test_prepare_builds_once_and_then_reuses_the_same_files(tmp_path, monkeypatc
     cfg = data_config(tmp_path / "cache")
     first = prepare(cfg)
     before = npy_mtimes(first.path)
-    assert len(before) == 2 * len(Features.COLUMNS)  # train and eval columns
+    # train and eval columns (offsets for eval only) and the eval examples' index
+    assert len(before) == len(TRAIN_COLUMNS) + len(EVAL_COLUMNS) + 1
 
     def no_rebuild(*_args):
         raise AssertionError("the cache was rebuilt")
@@ -66,16 +68,17 @@ def test_the_cached_features_equal_freshly_built_ones(tmp_path):
     for split, count, prepared in (("train", 120, data.train), ("eval", 30, data.eval)):
         examples = generate(split, count, cfg.synthetic.seed, cfg.synthetic.unanswerable_fraction)
         fresh = build_features(examples, tokenizer, cfg.max_seq_len, cfg.max_query_len, cfg.doc_stride)
-        for column in Features.COLUMNS:
+        for column in TRAIN_COLUMNS if split == "train" else EVAL_COLUMNS:
             np.testing.assert_array_equal(getattr(prepared, column), getattr(fresh, column))
+    assert data.train.offsets is None  # training never reads them
     assert data.eval_examples == generate("eval", 30, cfg.synthetic.seed, cfg.synthetic.unanswerable_fraction)
     assert data.vocab_size == cfg.vocab_size
 
 
 def test_cached_columns_are_read_only_memory_maps(tmp_path):
     data = prepare(data_config(tmp_path))
-    for features in (data.train, data.eval):
-        for column in Features.COLUMNS:
+    for features, columns in ((data.train, TRAIN_COLUMNS), (data.eval, EVAL_COLUMNS)):
+        for column in columns:
             array = getattr(features, column)
             assert isinstance(array, np.memmap), column
             assert not array.flags.writeable
@@ -148,7 +151,7 @@ def test_a_squad_source_is_cached_with_its_eval_examples(tmp_path):
 def test_a_squad_source_without_eval_file_has_no_eval_split(tmp_path):
     data = prepare(data_config(tmp_path / "cache", source=str(squad_file(tmp_path, "train.json"))))
     assert data.eval is None
-    assert data.eval_examples == []
+    assert len(data.eval_examples) == 0
 
 
 def test_a_missing_squad_source_is_a_data_error_and_leaves_no_cache(tmp_path):
@@ -162,7 +165,7 @@ def test_a_missing_squad_source_is_a_data_error_and_leaves_no_cache(tmp_path):
 def _prepare_in_child(cfg: DataConfig, barrier, results) -> None:
     barrier.wait(timeout=30)
     data = prepare(cfg)
-    complete = all(len(getattr(data.train, c)) == len(data.train) for c in Features.COLUMNS)
+    complete = all(len(getattr(data.train, c)) == len(data.train) for c in TRAIN_COLUMNS)
     results.put((str(data.path), len(data.train), len(data.eval), complete))
 
 
@@ -227,8 +230,8 @@ def test_content_hash_reads_an_unchanged_input_once_and_sees_a_change(tmp_path, 
     source = tmp_path / "train.json"
     source.write_text('{"data": []}')
     reads = []
-    real_read = cache.read_bytes
-    monkeypatch.setattr(cache, "read_bytes", lambda url: reads.append(url) or real_read(url))
+    real_read = cache.file_digest
+    monkeypatch.setattr(cache, "file_digest", lambda url: reads.append(url) or real_read(url))
     first = cache.content_hash(str(source), tmp_path)
     assert cache.content_hash(str(source), tmp_path) == first
     assert len(reads) == 1  # the restart did not read the file again

@@ -86,7 +86,7 @@ def test_an_interrupted_build_takes_its_staging_directory_along(tmp_path, monkey
         assert leftovers(tmp_path / "cache"), "the staging directory should exist by now"
         raise interrupt
 
-    monkeypatch.setattr(cache, "_write_split", fail)
+    monkeypatch.setattr(cache, "build_split", fail)
     with pytest.raises(type(interrupt)):
         prepare(data_config(tmp_path))
     assert leftovers(tmp_path / "cache") == []

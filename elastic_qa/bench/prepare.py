@@ -1,0 +1,313 @@
+"""prepare: building the feature cache at growing sizes, with 1 and 2 tokenising workers.
+
+For each size a SQuAD v2.0-shaped training file (the synthetic generator's facts, contexts of about 120
+words, five questions each) and an evaluation file a tenth of its size are written as streams. Each
+build is `elastic-qa prepare --workers N` in a fresh process and cache directory, timed from Popen to
+exit; its peak memory is the sum of the resident sets of the whole process tree (the command and its
+workers), sampled every 50 ms from /proc (pages shared after fork count once per process: an upper
+bound). Worker counts alternate within each rep. Then, alternating over the sizes, the time from process
+start to the first trained step with that cache: `python -m elastic_qa.train` with the same data, timed
+to its `train_start` event
+(cache key, opening the cache, model, restore, loader: everything before the loop) and to its first
+`step` event, then killed. The start runs use a small model and batch (START_OVERRIDES; the cache does
+not depend on them): the first step's compute does not depend on the data, and on a shared machine a
+big one is noise that would hide what does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_qa.bench.common import (
+    BenchError,
+    add_config_arguments,
+    alternate,
+    int_list,
+    new_parser,
+    positive_int,
+    print_table,
+    show,
+    summary,
+)
+from elastic_qa.bench.runs import worker_env
+from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.observe.follow import LogFollower
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+START_OVERRIDES = [
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.d_ff=128",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+]
+SAMPLE_S = 0.05
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("prepare", __doc__, reps=1)
+    add_config_arguments(parser, "squad")
+    parser.add_argument(
+        "--sizes", type=int_list, default=[13_000, 130_000, 1_300_000], help="training questions per size"
+    )
+    parser.add_argument("--workers", type=int_list, default=[1, 2], help="tokenising workers (default 1,2)")
+    parser.add_argument(
+        "--start-reps", type=positive_int, default=3, help="first-step timings per size (default 3)"
+    )
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one build or start may take")
+    return parser
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of a process and all its descendants, now."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ..., rss at 21
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        rss[pid] = int(fields[21]) * PAGE
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float]:
+    """Run `command` to its end: wall seconds, CPU seconds and peak resident bytes of its process tree.
+
+    CPU seconds (user + system of the command and every worker it waited for) barely move with the
+    machine's load, unlike wall seconds: they show how the work grows with the data on a shared host.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "wb") as out:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, tree_rss(process.pid))
+            if time.perf_counter() - started > timeout:
+                process.kill()
+                process.wait()
+                raise BenchError(f"{command[3]} ran past {timeout:.0f} s (output: {log})")
+            time.sleep(SAMPLE_S)
+        seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise BenchError(f"exit {process.returncode} (output: {log})")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_bytes": float(peak)}
+
+
+def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[float, float]:
+    """Popen -> the `train_start` and the first `step` events' timestamps; the run is killed then."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    output = run_dir / "output.log"
+    with open(output, "wb") as out:
+        started = time.time()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        try:
+            follower = LogFollower(run_dir / "logs")
+            seen: list[dict[str, Any]] = []
+            while not (steps := [e for e in seen if e.get("event") == "step"]):
+                seen += follower.new_events()
+                if process.poll() is not None:
+                    raise BenchError(f"training exited with {process.returncode} (output: {output})")
+                if time.time() - started > timeout:
+                    raise BenchError(f"no step within {timeout:.0f} s (output: {output})")
+                time.sleep(0.02)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait()
+    loop = [e for e in seen if e.get("event") == "train_start"]
+    if not loop:
+        raise BenchError(f"no train_start event before the first step (output: {output})")
+    return loop[0]["ts"] - started, steps[0]["ts"] - started
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _builds(args: argparse.Namespace, work: Path, size: int) -> tuple[dict[str, Any], list[str], Path]:
+    """Write one size's files and build its cache with each worker count: the figures, the data
+    overrides and the one cache kept for the start runs."""
+    data = work / f"data-{size}"
+    data.mkdir(parents=True, exist_ok=True)
+    train, dev = data / "train.json", data / "dev.json"
+    print(f"[prepare] writing {size:,} + {max(1, size // 10):,} questions ...", flush=True)
+    started = time.perf_counter()
+    questions = write_squad_file(str(train), size, seed=1)
+    write_squad_file(str(dev), max(1, size // 10), seed=2)
+    entry: dict[str, Any] = {
+        "questions": questions,
+        "file_bytes": train.stat().st_size,
+        "write_s": time.perf_counter() - started,
+        "workers": {},
+    }
+    data_overrides = [f"data.source={train}", f"data.eval_source={dev}"]
+    builds: dict[int, list[dict[str, float]]] = {w: [] for w in args.workers}
+    kept: Path | None = None
+    for rep, workers in alternate(args.reps, args.workers):
+        print(f"[prepare] {size:,} questions, {workers} worker(s), rep {rep + 1}/{args.reps} ...", flush=True)
+        cache = work / f"cache-{size}-w{workers}-{rep}"
+        command = [
+            sys.executable,
+            "-m",
+            "elastic_qa.cli",
+            "prepare",
+            "--config",
+            args.config,
+            "--workers",
+            str(workers),
+            *args.overrides,
+            *data_overrides,
+            f"data.cache_dir={cache}",
+        ]
+        figures = timed_tree(command, work / f"prepare-{size}-w{workers}-{rep}.log", args.timeout)
+        figures["cache_bytes"] = float(directory_bytes(cache))
+        builds[workers].append(figures)
+        if kept is None:
+            kept = cache
+        else:
+            shutil.rmtree(cache, ignore_errors=True)  # same bytes as the kept one (tested): save disk
+    assert kept is not None
+    for workers, runs in builds.items():
+        seconds = summary([r["seconds"] for r in runs])
+        entry["workers"][workers] = {
+            "seconds": seconds,
+            "cpu_seconds": summary([r["cpu_seconds"] for r in runs]),
+            "questions_per_s": questions / seconds["median"],
+            "peak_rss_bytes": summary([r["peak_rss_bytes"] for r in runs]),
+            "cache_bytes": runs[0]["cache_bytes"],
+        }
+    return entry, data_overrides, kept
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    kept: dict[int, tuple[list[str], Path]] = {}
+    for size in args.sizes:
+        results[str(size)], overrides, cache = _builds(args, work, size)
+        kept[size] = (overrides, cache)
+    # Start runs alternate over the sizes, so that a busy spell on the machine hits every size alike.
+    loops: dict[int, list[float]] = {size: [] for size in args.sizes}
+    steps: dict[int, list[float]] = {size: [] for size in args.sizes}
+    for rep, size in alternate(args.start_reps, args.sizes):
+        print(f"[prepare] {size:,} questions: start to first step, rep {rep + 1} ...", flush=True)
+        run_dir = work / f"start-{size}-{rep}"
+        data_overrides, cache = kept[size]
+        command = [
+            sys.executable,
+            "-m",
+            "elastic_qa.train",
+            "--config",
+            args.config,
+            *args.overrides,
+            *START_OVERRIDES,
+            *data_overrides,
+            f"data.cache_dir={cache}",
+            f"run.dir={run_dir}",
+            "train.eval_every=0",
+            "checkpoint.interval=1000h",
+            "log.every_steps=1",
+            "log.console=none",
+        ]
+        loop, step = first_step_s(command, run_dir, args.timeout)
+        loops[size].append(loop)
+        steps[size].append(step)
+    rows = []
+    for size in args.sizes:
+        entry = results[str(size)]
+        entry["train_start_s"], entry["first_step_s"] = summary(loops[size]), summary(steps[size])
+        shutil.rmtree(kept[size][1], ignore_errors=True)
+        shutil.rmtree(work / f"data-{size}", ignore_errors=True)
+        for workers, figures in entry["workers"].items():
+            rows.append(
+                [
+                    f"{entry['questions']:,}",
+                    str(workers),
+                    show(figures["seconds"], ".1f"),
+                    show(figures["cpu_seconds"], ".1f"),
+                    f"{figures['questions_per_s']:,.0f}",
+                    f"{figures['peak_rss_bytes']['median'] / 2**20:,.0f}",
+                    f"{figures['cache_bytes'] / 2**20:,.0f}",
+                    show(entry["train_start_s"], ".2f"),
+                    show(entry["first_step_s"], ".2f"),
+                ]
+            )
+    print_table(
+        [
+            "questions",
+            "workers",
+            "seconds",
+            "CPU s",
+            "questions/s",
+            "peak RSS MiB",
+            "cache MiB",
+            "start -> loop s",
+            "start -> first step s",
+        ],
+        rows,
+    )
+    _goals(results, args.workers)
+    return {
+        "benchmark": "prepare",
+        "settings": {
+            "config": args.config,
+            "overrides": args.overrides,
+            "reps": args.reps,
+            "start_reps": args.start_reps,
+            "start_overrides": START_OVERRIDES,
+            "sizes": args.sizes,
+            "workers": args.workers,
+            "load_average": os.getloadavg(),
+            "cpus": os.cpu_count(),
+        },
+        "sizes": results,
+    }
+
+
+def _goals(results: dict[str, Any], workers: list[int]) -> None:
+    """The ratios the goals are stated in (printed, not judged: the machine may be loaded)."""
+    sizes = sorted(results, key=int)
+    for size in sizes:
+        by = results[size]["workers"]
+        if 1 in by and 2 in by:
+            speedup = by[1]["seconds"]["median"] / by[2]["seconds"]["median"]
+            print(f"{int(size):,} questions: 2 workers / 1 worker throughput {speedup:.2f}x")
+    if len(sizes) > 1:
+        small, large = results[sizes[0]], results[sizes[-1]]
+        w = workers[0]
+        scale = large["questions"] / small["questions"]
+        for figure in ("seconds", "cpu_seconds"):
+            growth = large["workers"][w][figure]["median"] / small["workers"][w][figure]["median"]
+            print(
+                f"{figure} {sizes[-1]} / {sizes[0]} questions ({w} worker): {growth:.1f}x "
+                f"for {scale:.0f}x the data"
+            )
+        for name in ("train_start_s", "first_step_s"):
+            ratio = large[name]["median"] / small[name]["median"]
+            print(f"{name}, {sizes[-1]} / {sizes[0]} questions: {ratio:.3f}")
+    load = os.getloadavg()
+    print(f"load average at the end (1/5/15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")

@@ -1,0 +1,130 @@
+"""The feature cache's files: `.npy` columns appended batch by batch, and examples stored as indexed JSON
+Lines that are read only when asked for.
+
+A column's row count is known only at the end of a streaming build, so its `.npy` header is written last
+into room reserved at the start (numpy reads any header padded with spaces to a multiple of 64 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import overload
+
+import numpy as np
+
+from elastic_qa.data.squad import Answer, QAExample
+
+_HEADER_BYTES = 128  # magic (6) + version (2) + length (2) + the header dict, space-padded
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """A version 1.0 `.npy` header of exactly _HEADER_BYTES bytes."""
+    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+    text = repr({"descr": descr, "fortran_order": False, "shape": shape})
+    room = _HEADER_BYTES - 10
+    if len(text) + 1 > room:
+        raise ValueError(f"shape {shape} does not fit the reserved .npy header")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", room) + (text.ljust(room - 1) + "\n").encode("latin1")
+
+
+class ColumnWriter:
+    """One `.npy` file grown by appending rows of a fixed shape and dtype."""
+
+    def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+        self.path, self.dtype, self.row_shape = path, np.dtype(dtype), row_shape
+        self.rows = 0
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close(), after the last append)
+        self._file.write(b"\0" * _HEADER_BYTES)
+
+    def append(self, rows: np.ndarray) -> None:
+        if rows.shape[1:] != self.row_shape:
+            raise ValueError(f"{self.path.name}: rows of shape {rows.shape[1:]}, expected {self.row_shape}")
+        self._file.write(np.ascontiguousarray(rows, dtype=self.dtype).data)
+        self.rows += len(rows)
+
+    def close(self) -> None:
+        self._file.seek(0)
+        self._file.write(npy_header(self.dtype, (self.rows, *self.row_shape)))
+        self._file.close()
+
+
+class ExampleWriter:
+    """Examples as JSON Lines plus an int64 index of where each line starts (one more for the end)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._file = open(directory / "examples.jsonl", "wb")  # noqa: SIM115 (closed by close())
+        self._starts = ColumnWriter(directory / "examples.index.npy", np.int64, ())
+        self._position = 0
+
+    def append(self, examples: Sequence[QAExample]) -> None:
+        starts, lines = [], []
+        for e in examples:
+            line = json.dumps([e.id, e.question, e.context, [[a.text, a.start] for a in e.answers]])
+            data = line.encode() + b"\n"
+            starts.append(self._position)
+            self._position += len(data)
+            lines.append(data)
+        self._file.write(b"".join(lines))
+        self._starts.append(np.asarray(starts, np.int64))
+
+    def close(self) -> None:
+        self._starts.append(np.asarray([self._position], np.int64))
+        self._starts.close()
+        self._file.close()
+
+
+def _example(line: bytes) -> QAExample:
+    qid, question, context, answers = json.loads(line)
+    return QAExample(qid, question, context, tuple(Answer(t, s) for t, s in answers))
+
+
+class StoredExamples(Sequence[QAExample]):
+    """The examples an ExampleWriter stored: opening maps the index only; each read decodes its lines."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "examples.jsonl"
+        self._starts = np.load(directory / "examples.index.npy", mmap_mode="r")
+        if len(self._starts) < 1:
+            raise ValueError(f"{directory}: empty example index")
+        self._data: mmap.mmap | None = None
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_data": None}  # a memory map is not sent: the receiver maps again
+
+    def _bytes(self) -> mmap.mmap:
+        if self._data is None:
+            with open(self.path, "rb") as handle:
+                self._data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._data
+
+    @overload
+    def __getitem__(self, index: int) -> QAExample: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[QAExample]: ...
+    def __getitem__(self, index: int | slice) -> QAExample | list[QAExample]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        return _example(self._bytes()[int(self._starts[index]) : int(self._starts[index + 1])])
+
+    def __iter__(self) -> Iterator[QAExample]:
+        with open(self.path, "rb") as handle:
+            for line in handle:
+                yield _example(line)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence semantics, as list has

@@ -1,0 +1,263 @@
+"""A data source: one or several files (paths or fsspec URLs, globs), SQuAD JSON or JSON Lines, read as a
+stream of chunks of raw records that any process can turn into validated examples.
+
+`data.source` is a comma-separated list; each entry may be a glob (its matches in sorted order). A file
+whose name ends in `.jsonl` or `.ndjson` (optionally compressed, e.g. `.jsonl.gz`) holds one question a
+line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; any other
+file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time (data.stream). Compression is inferred from
+the name. Question ids are unique over all files of a source.
+
+The reading process only cuts the files into chunks (paragraphs' JSON text, or lines); validating them
+(`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on the input only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import fsspec
+
+from elastic_qa.data.squad import (
+    DataError,
+    QAExample,
+    Tally,
+    Unique,
+    bad_article,
+    named,
+    paragraph_records,
+    parse_qa,
+    require_text,
+    warn_skipped,
+)
+from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
+
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+CHUNK_CHARS = 64 * 1024  # SQuAD paragraphs' text per chunk (about 200 questions)
+CHUNK_LINES = 256  # JSON Lines per chunk
+
+
+def source_urls(source: str) -> list[str]:
+    """The files of a source, in order: comma-separated entries, a glob's matches sorted."""
+    urls: list[str] = []
+    for entry in (part.strip() for part in source.split(",")):
+        if not entry:
+            continue
+        if not glob.has_magic(entry):
+            urls.append(entry)
+            continue
+        try:
+            fs, pattern = fsspec.core.url_to_fs(entry)
+            matches = sorted(fs.glob(pattern))
+        except (OSError, ValueError, ImportError) as err:
+            raise DataError(f"{entry}: cannot list ({err})") from None
+        if not matches:
+            raise DataError(f"{entry}: no file matches")
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        urls += [m if local else fs.unstrip_protocol(m) for m in matches]
+    if not urls:
+        raise DataError(f"{source!r}: names no file")
+    return urls
+
+
+def is_jsonl(url: str) -> bool:
+    name = url.lower()
+    for compressed in (".gz", ".bz2", ".xz", ".zst", ".lz4"):
+        name = name.removesuffix(compressed)
+    return name.endswith(_JSONL_SUFFIXES)
+
+
+@contextlib.contextmanager
+def open_source(url: str) -> Iterator[IO[bytes]]:
+    """The file's bytes (decompressed if its name says so); unreadable -> DataError naming it."""
+    try:
+        with fsspec.open(url, "rb", compression="infer") as handle:
+            yield handle
+    except FileNotFoundError:
+        raise DataError(f"{url}: file not found") from None
+    except (OSError, EOFError, ImportError) as err:
+        raise DataError(f"{url}: cannot read ({err})") from None
+
+
+def file_digest(url: str) -> str:
+    """sha256 of a file's stored bytes, read in chunks."""
+    digest = hashlib.sha256()
+    try:
+        with fsspec.open(url, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise DataError(f"{url}: file not found") from None
+    except (OSError, ValueError, ImportError) as err:
+        raise DataError(f"{url}: cannot read ({err})") from None
+    return digest.hexdigest()
+
+
+@dataclass
+class Chunk:
+    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from data.stream;
+    JSON Lines: (line number, bytes); "examples": ready QAExamples (the synthetic generator)."""
+
+    url: str
+    kind: str  # "squad" | "jsonl" | "examples"
+    records: list
+    error: str | None = None  # the file stopped being readable after these records (raised in order)
+
+
+@dataclass
+class Parsed:
+    records: list[tuple[str, QAExample]]  # (record name, example)
+    skipped: int
+    error: str | None  # a DataError message, to raise after `records`
+
+    def names(self) -> list[tuple[str, str]]:
+        """(record name, question id) of each example: what the reading process needs of them."""
+        return [(record, example.id) for record, example in self.records]
+
+
+def chunks(url: str) -> Iterator[Chunk]:
+    """One file's records, cut into chunks."""
+    with open_source(url) as handle:
+        if is_jsonl(url):
+            lines: list[tuple[int, bytes]] = []
+            for number, line in enumerate(handle, start=1):
+                lines.append((number, line))
+                if len(lines) == CHUNK_LINES:
+                    yield Chunk(url, "jsonl", lines)
+                    lines = []
+            if lines:
+                yield Chunk(url, "jsonl", lines)
+            return
+        paragraphs: list[Any] = []
+        size = 0
+        try:
+            for item in squad_paragraphs(handle):
+                paragraphs.append(item)
+                size += len(item[2] or "")
+                if size >= CHUNK_CHARS:
+                    yield Chunk(url, "squad", paragraphs)
+                    paragraphs, size = [], 0
+        except JSONStreamError as err:
+            yield Chunk(url, "squad", paragraphs, f"{url}: {err}")
+            return
+        if paragraphs:
+            yield Chunk(url, "squad", paragraphs)
+
+
+def parse_chunk(chunk: Chunk, skip_malformed: bool) -> Parsed:
+    """Validated examples of a chunk; without skip_malformed, the first malformed record ends it."""
+    tally = Tally()
+    out: list[tuple[str, QAExample]] = []
+    url = chunk.url
+    try:
+        if chunk.kind == "examples":
+            out = [("", example) for example in chunk.records]
+        elif chunk.kind == "squad":
+            for a, p, text in chunk.records:
+                if p is None:
+                    bad_article(url, a, skip_malformed, tally)
+                    continue
+                paragraph = json.loads(text)  # decodes: the reader checked it
+                for item in paragraph_records(
+                    url, f"data[{a}].paragraphs[{p}]", paragraph, skip_malformed, tally
+                ):
+                    out.append(item)
+        else:
+            for number, line in chunk.records:
+                if not line.strip():
+                    continue
+                try:
+                    out.append((f"line {number}", _jsonl_record(line)))
+                except (ValueError, RecursionError) as err:
+                    if not skip_malformed:
+                        raise DataError(f"{url}: {named(f'line {number}', _loose(line))}: {err}") from None
+                    tally.skipped += 1
+    except DataError as err:
+        return Parsed(out, tally.skipped, str(err))
+    return Parsed(out, tally.skipped, chunk.error)
+
+
+def _jsonl_record(line: bytes) -> QAExample:
+    try:
+        text = line.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 text (byte {err.start} of the line)") from None
+    try:
+        raw: Any = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON (column {err.colno}: {err.msg})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+    context = raw.get("context") if isinstance(raw, dict) else None
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError("expected an object with a non-empty string 'context'")
+    require_text(context, "'context'")
+    return parse_qa(raw, context)
+
+
+def _loose(line: bytes) -> Any:
+    """The line's object if it decodes (for the id in an error message), else None."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+class ExampleReader:
+    """One source's chunks, and its validated examples in order (iterate once per pass).
+
+    A malformed record raises DataError naming the file and the record (SQuAD: `data[a].paragraphs[p]
+    .qas[q]`, JSON Lines: `line n`), or with skip_malformed is counted in `tally` and left out.
+    """
+
+    def __init__(self, source: str, skip_malformed: bool = False) -> None:
+        self.source, self.urls = source, source_urls(source)
+        self.skip_malformed = skip_malformed
+        self.tally = Tally()
+        self.kept = 0
+
+    def chunks(self) -> Iterator[Chunk]:
+        for url in self.urls:
+            yield from chunks(url)
+
+    def first_place(self, qid: str) -> str | None:
+        """Where the first valid record with this id is (error path: reads the files again)."""
+        for chunk in self.chunks():
+            for record, example in parse_chunk(chunk, True).records:
+                if example.id == qid:
+                    return record if len(self.urls) == 1 else f"{chunk.url}: {record}"
+        return None
+
+    def unique(self) -> Unique:
+        """A fresh pass's duplicate filter; resets the counts."""
+        self.tally, self.kept = Tally(), 0
+        return Unique(self.skip_malformed, self.tally, self.first_place)
+
+    def admit(
+        self, unique: Unique, url: str, names: list[tuple[str, str]], skipped: int, error: str | None
+    ) -> list[bool]:
+        """Which of a parsed chunk's examples (`names`: record, id) to keep; raises its error after them."""
+        self.tally.skipped += skipped
+        keep = [unique.admit(url, record, qid) for record, qid in names]
+        self.kept += sum(keep)
+        if error:
+            raise DataError(error)
+        return keep
+
+    def finish(self) -> None:
+        warn_skipped(self.source, self.tally, self.kept)
+        if not self.kept:
+            raise DataError(f"{self.source}: no usable questions")
+
+    def __iter__(self) -> Iterator[QAExample]:
+        unique = self.unique()
+        for chunk in self.chunks():
+            parsed = parse_chunk(chunk, self.skip_malformed)
+            keep = self.admit(unique, chunk.url, parsed.names(), parsed.skipped, parsed.error)
+            yield from (example for (_, example), kept in zip(parsed.records, keep, strict=True) if kept)
+        self.finish()
