@@ -155,8 +155,8 @@ def run_node(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--rdzv-backend etcd-v2 needs the python-etcd client: pip install 'elastic-qa[etcd]'"
             )
-    cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
     plan = plan_network(endpoint, args.store_host, args.rdzv_backend, args.local_addr, args.interface)
+    cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
     run_dir = Path(cfg.run.dir)
     node = f"{socket.gethostname()}@{plan.local_addr}"
     log = NodeLog(run_dir, node)

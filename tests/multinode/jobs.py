@@ -67,16 +67,22 @@ def start_etcd(cluster: Cluster, data_dir: Path) -> subprocess.Popen:
 
 
 def start_nodes(
-    cluster: Cluster, run_dir: Path, cache: Path, backend: str = "c10d", *extra: str
+    cluster: Cluster,
+    run_dir: Path,
+    cache: Path,
+    backend: str = "c10d",
+    *extra: str,
+    hosts: range | list[int] | None = None,
 ) -> dict[int, subprocess.Popen]:
-    """`elastic-qa node` on every host; with c10d host 0 is the store host and the endpoint."""
+    """`elastic-qa node` on `hosts` (default: every host); with c10d host 0 is the store host and the
+    endpoint, and the job allows up to cluster.hosts hosts."""
     endpoint = (
         f"{cluster.address(0)}:{C10D_PORT}"
         if backend == "c10d"
         else f"{cluster.address(ETCD_INDEX)}:{ETCD_PORT}"
     )
     nodes = {}
-    for index in range(cluster.hosts):
+    for index in range(cluster.hosts) if hosts is None else hosts:
         argv = [
             sys.executable,
             "-m",
