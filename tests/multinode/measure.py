@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic_qa.chaos.evidence import attempts
+from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.config import resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
@@ -47,8 +49,10 @@ def first_step_after(run_dir: Path, since: float, world_size: int | None = None)
     return min(times) if times else None
 
 
-def steps_resumed(run_dir: Path) -> list[dict]:
-    return [e for e in read_events(run_dir) if e.get("event") == "resume"]
+def regroups(run_dir: Path) -> list[dict]:
+    """Each attempt after the first: its world size and the steps it lost."""
+    runs = attempts(read_events(run_dir))
+    return [{"world_size": r["world_size"], "lost_steps": steps_lost(runs, r)} for r in runs[1:]]
 
 
 def scenario(name: str, base: Path, cache: Path) -> dict:
@@ -61,7 +65,10 @@ def scenario(name: str, base: Path, cache: Path) -> dict:
         if backend == "etcd-v2":
             start_etcd(cluster, base / name / "etcd-data")
         started = time.time()
-        nodes = start_nodes(cluster, run_dir, cache, backend, hosts=[0, 1] if name == "join" else None)
+        # The joiner's start (imports, cache check) takes seconds: the job must still run when it arrives.
+        join_extra = ("train.max_steps=120",) if name == "join" else ()
+        hosts = [0, 1] if name == "join" else None
+        nodes = start_nodes(cluster, run_dir, cache, backend, *join_extra, hosts=hosts)
         wait_for_step(run_dir, KILL_AT_STEP, nodes)
         if name != "join":
             result["formation_s"] = round(first_step_after(run_dir, started, 3) - started, 2)
@@ -74,7 +81,7 @@ def scenario(name: str, base: Path, cache: Path) -> dict:
             nodes[2].send_signal(signal.SIGTERM)
             survivors = nodes
         else:
-            nodes.update(start_nodes(cluster, run_dir, cache, backend, hosts=[2]))
+            nodes.update(start_nodes(cluster, run_dir, cache, backend, *join_extra, hosts=[2]))
             survivors = nodes
         result["codes"] = wait_all(survivors)
         if name == "store-loss":
@@ -84,14 +91,12 @@ def scenario(name: str, base: Path, cache: Path) -> dict:
             result["rerun_codes"] = wait_all(nodes)
             first = first_step_after(run_dir, restarted)
             result["rerun_first_step_s"] = round(first - restarted, 2) if first else None
-            result["rerun_lost_steps"] = [r.get("lost_steps") for r in steps_resumed(run_dir)[-1:]]
+            result["rerun_lost_steps"] = regroups(run_dir)[-1]["lost_steps"]
         else:
             world = 3 if name == "join" else 2
             first = first_step_after(run_dir, event, world)
             result["recovery_s"] = round(first - event, 2) if first else None
-        result["resumes"] = [
-            {k: r.get(k) for k in ("step", "lost_steps", "world_size")} for r in steps_resumed(run_dir)
-        ]
+        result["regroups"] = regroups(run_dir)
     finally:
         cluster.down()
     return result
