@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from elastic_qa.launcher.node import (
     parse_nnodes,
     rendezvous_conf,
     torchrun_command,
+    watch_for_crash_loop,
 )
 
 
@@ -109,3 +112,23 @@ def test_a_failed_agent_whose_store_endpoint_no_longer_answers_says_the_store_ho
     assert finish(args_for(store_host=True), gone, tmp_path, 1, [], {}, log) == 1
     assert finish(args_for("etcd-v2"), gone, tmp_path, 1, [], {}, log) == 1
     assert log[-1]["store_host_gone"] is False
+
+
+def test_the_same_error_at_three_attempts_without_a_step_stops_this_hosts_agent(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for pid in (11, 12, 13):  # three worker processes, one after the other, each failing the same way
+        line = {"event": "bad_input", "error": "checkpoint does not fit", "pid": pid, "ts": float(pid)}
+        (logs / f"rank-000.trainer@10.0.0.2.pid-{pid}.jsonl").write_text(json.dumps(line) + "\n")
+    agent = subprocess.Popen(["sleep", "30"])  # stands in for torchrun: only its SIGTERM is looked at
+    crash: dict = {}
+    log = Log()
+    try:
+        watch_for_crash_loop(tmp_path, agent, crash, log)
+        assert agent.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        agent.kill()
+    assert crash == {"error": "checkpoint does not fit", "bad_input": True}
+    assert log[-1]["event"] == "crash_loop"
+    endpoint = Endpoint("127.0.0.1", closed_port())
+    assert finish(args_for(), endpoint, tmp_path, 1, [], crash, log) == 2
