@@ -1,4 +1,4 @@
-"""torchrun agents: the local launcher (every agent on this host) and the per-host command of a multi-node job.
+"""torchrun agents: the local launcher (all agents on this host) and the per-host command of a multi-node job.
 
     python -m elastic_qa.launcher.local start|join|leave|stop|status ...   (launch/local.sh in a checkout)
     elastic-qa node --endpoint HOST0:29400 ...                             (launch/node.sh in a checkout)
