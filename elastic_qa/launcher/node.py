@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
-from elastic_qa.launcher.local import CRASH_LOOP_ATTEMPTS, check_inputs, print_result
 from elastic_qa.launcher.netplan import NetworkPlan, parse_endpoint, plan_network
 from elastic_qa.launcher.processes import python_env
 from elastic_qa.launcher.rendezvous import LAST_CALL_TIMEOUT_S, MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
@@ -51,6 +50,7 @@ from elastic_qa.observe.log import NODE_ENV, file_safe
 DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 WORKER_MODULE = "elastic_qa.train"
 PR_SET_PDEATHSIG = 1
+CRASH_LOOP_ATTEMPTS = 3  # as the local launcher: attempts in a row failing with one error, none training
 STORE_PROBE_TIMEOUT_S = 2.0
 
 
@@ -156,6 +156,9 @@ def run_node(args: argparse.Namespace) -> int:
                 "--rdzv-backend etcd-v2 needs the python-etcd client: pip install 'elastic-qa[etcd]'"
             )
     plan = plan_network(endpoint, args.store_host, args.rdzv_backend, args.local_addr, args.interface)
+    # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
+    from elastic_qa.launcher.local import check_inputs
+
     cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
     run_dir = Path(cfg.run.dir)
     node = f"{socket.gethostname()}@{plan.local_addr}"
@@ -204,6 +207,8 @@ def finish(args, endpoint, run_dir: Path, code: int, stopped_by: list[int], cras
         print(f"elastic-qa: the job stopped: every attempt fails with: {crash['error']}", file=sys.stderr)
         return EXIT_BAD_INPUT if crash["bad_input"] else EXIT_FAILED
     if code == 0:
+        from elastic_qa.launcher.local import print_result
+
         log("node_end", exit=0, agent_exit=code)
         print_result(run_dir)
         return 0
