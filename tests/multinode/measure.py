@@ -66,7 +66,7 @@ def scenario(name: str, base: Path, cache: Path) -> dict:
             start_etcd(cluster, base / name / "etcd-data")
         started = time.time()
         # The joiner's start (imports, cache check) takes seconds: the job must still run when it arrives.
-        join_extra = ("train.max_steps=120",) if name == "join" else ()
+        join_extra = ("train.max_steps=80", "debug.step_delay=500ms") if name == "join" else ()
         hosts = [0, 1] if name == "join" else None
         nodes = start_nodes(cluster, run_dir, cache, backend, *join_extra, hosts=hosts)
         wait_for_step(run_dir, KILL_AT_STEP, nodes)
