@@ -130,11 +130,16 @@ def store_answers(host: str, port: int) -> bool:
         return False
 
 
-def watch_for_crash_loop(run_dir: Path, agent: subprocess.Popen, crash: dict, log: NodeLog) -> None:
-    """Stop this host's agent when attempts keep failing the same way without training a step."""
+def watch_for_crash_loop(
+    run_dir: Path, agent: subprocess.Popen, crash: dict, log: NodeLog, since: float = 0.0
+) -> None:
+    """Stop this host's agent when attempts keep failing the same way without training a step.
+
+    Only events from `since` on count: a run directory run again still holds the errors of earlier runs
+    (a crash loop that was fixed since), which must not stop this one."""
     follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
     while agent.poll() is None:
-        detector.feed(follower.new_events())
+        detector.feed([event for event in follower.new_events() if event.get("ts", since) >= since])
         verdict = detector.verdict()
         if verdict:
             crash.update(error=verdict[0], bad_input=verdict[1])
@@ -184,6 +189,7 @@ def run_node(args: argparse.Namespace) -> int:
         interface=plan.interface,
         notes=list(plan.notes),
     )
+    started = time.time()
     agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     stopped_by: list[int] = []
 
@@ -195,7 +201,8 @@ def run_node(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
     crash: dict = {}
-    threading.Thread(target=watch_for_crash_loop, args=(run_dir, agent, crash, log), daemon=True).start()
+    watch = (run_dir, agent, crash, log, started)
+    threading.Thread(target=watch_for_crash_loop, args=watch, daemon=True).start()
     code = agent.wait()
     return finish(args, endpoint, run_dir, code, stopped_by, crash, log)
 

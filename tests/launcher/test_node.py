@@ -114,12 +114,17 @@ def test_a_failed_agent_whose_store_endpoint_no_longer_answers_says_the_store_ho
     assert log[-1]["store_host_gone"] is False
 
 
-def test_the_same_error_at_three_attempts_without_a_step_stops_this_hosts_agent(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
+def three_failed_processes(run_dir: Path) -> None:
+    """Three worker processes, one after the other (ts 11-13), each failing with the same bad input."""
+    logs = run_dir / "logs"
     logs.mkdir()
-    for pid in (11, 12, 13):  # three worker processes, one after the other, each failing the same way
+    for pid in (11, 12, 13):
         line = {"event": "bad_input", "error": "checkpoint does not fit", "pid": pid, "ts": float(pid)}
         (logs / f"rank-000.trainer@10.0.0.2.pid-{pid}.jsonl").write_text(json.dumps(line) + "\n")
+
+
+def test_the_same_error_at_three_attempts_without_a_step_stops_this_hosts_agent(tmp_path: Path) -> None:
+    three_failed_processes(tmp_path)
     agent = subprocess.Popen(["sleep", "30"])  # stands in for torchrun: only its SIGTERM is looked at
     crash: dict = {}
     log = Log()
@@ -132,3 +137,14 @@ def test_the_same_error_at_three_attempts_without_a_step_stops_this_hosts_agent(
     assert log[-1]["event"] == "crash_loop"
     endpoint = Endpoint("127.0.0.1", closed_port())
     assert finish(args_for(), endpoint, tmp_path, 1, [], crash, log) == 2
+
+
+def test_errors_logged_before_this_run_started_do_not_make_a_crash_loop(tmp_path: Path) -> None:
+    three_failed_processes(tmp_path)  # an earlier run of this run directory, since fixed
+    agent = subprocess.Popen(["sleep", "2.5"])
+    crash: dict = {}
+    try:
+        watch_for_crash_loop(tmp_path, agent, crash, Log(), since=20.0)
+    finally:
+        agent.kill()
+    assert crash == {} and agent.wait() == 0
