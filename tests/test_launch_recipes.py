@@ -22,23 +22,22 @@ from tests.conftest import REPO
 LAUNCH = REPO / "launch"
 SCRIPTS = sorted([*LAUNCH.glob("*.sh"), LAUNCH / "slurm.sbatch"])
 
-# Stand-in for `elastic-qa`: records its arguments, then waits for SIGTERM and exits 143, as the real one
-# does once its workers have saved.
+# Stand-in for `elastic-qa`: records its arguments and pid, then waits for SIGTERM and exits 143, as the
+# real one does once its workers have saved.
 FAKE_ELASTIC_QA = """#!/usr/bin/env bash
 echo "$SLURM_NODEID $*" >> "$RECORD/args"
 trap 'echo "$SLURM_NODEID TERM" >> "$RECORD/signals"; exit 143' TERM
-echo ready >> "$RECORD/ready"
+echo $$ >> "$RECORD/pids"
 while true; do sleep 0.05; done
 """
-# Stand-in for srun: one task per node of the allocation, each with its SLURM_NODEID; forwards SIGTERM.
+# Stand-in for srun: one task per node of the allocation, each with its SLURM_NODEID; exits with the
+# highest exit code of its tasks, as srun does.
 FAKE_SRUN = """#!/usr/bin/env bash
 while [[ "$1" == --* ]]; do shift; done
 pids=()
 for ((id = 0; id < SLURM_JOB_NUM_NODES; id++)); do SLURM_NODEID=$id "$@" & pids+=($!); done
-trap 'kill -TERM "${pids[@]}"' TERM
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+for pid in "${pids[@]}"; do wait "$pid" || { code=$?; [ $code -gt $status ] && status=$code; }; done
 exit $status
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
@@ -73,12 +72,13 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_slurm_time_limit_sigterm_reaches_every_node_then_requeues_the_same_run(tmp_path: Path) -> None:
+def test_slurm_time_limit_sigterm_to_every_task_saves_then_requeues_the_same_run(tmp_path: Path) -> None:
     directives = [
         line for line in (LAUNCH / "slurm.sbatch").read_text().splitlines() if line.startswith("#SBATCH")
     ]
     assert "#SBATCH --requeue" in directives
-    assert any(line.startswith("#SBATCH --signal=B:TERM@") for line in directives)
+    # To the tasks, not the batch shell (B:): srun takes a SIGTERM as an order to kill its step at once.
+    assert any(line.startswith("#SBATCH --signal=TERM@") for line in directives)
     bin_dir, record = fake_bin(tmp_path), tmp_path / "record"
     env = {
         **os.environ,
@@ -93,10 +93,11 @@ def test_slurm_time_limit_sigterm_reaches_every_node_then_requeues_the_same_run(
     }
     script = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), "train.max_steps=9"], env=env)
     deadline = time.monotonic() + 30
-    while len(lines(record / "ready")) < 2:
+    while len(lines(record / "pids")) < 2:
         assert time.monotonic() < deadline and script.poll() is None
         time.sleep(0.05)
-    script.send_signal(signal.SIGTERM)  # what --signal=B:TERM@120 sends to the batch shell
+    for pid in lines(record / "pids"):  # what --signal=TERM@120 does before the time limit
+        os.kill(int(pid), signal.SIGTERM)
     assert script.wait(timeout=30) == 0
     assert sorted(lines(record / "signals")) == ["0 TERM", "1 TERM"]
     assert lines(record / "scontrol") == ["requeue 4242"]
