@@ -9,6 +9,8 @@
     elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR
+    elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
+                                                        this host's part of a multi-node job (torchrun)
 
 Training itself is `python -m elastic_qa.train` under torchrun: `python -m elastic_qa.launcher.local`
 (launch/local.sh in a checkout) starts the agents.
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
     sub.add_parser("bench", help="benchmarks (see README); handled before this parser, see main()")
     sub.add_parser("chaos", help="fault injection and its verdict; handled before this parser, see main()")
+    sub.add_parser("node", help="one host of a multi-node job; handled before this parser, see main()")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -234,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastic_qa.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["node"]:  # likewise: its overrides and `--help` are its own
+        from elastic_qa.launcher.node import main as node_main
+
+        return node_main(argv[1:])
     if argv[:1] == ["chaos"]:  # likewise: `elastic-qa chaos run --help`
         from elastic_qa.chaos.cli import main as chaos_main
 

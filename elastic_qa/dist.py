@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
@@ -80,17 +79,26 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         timeout=cfg.timeout,
         device_id=device if backend == "nccl" else None,
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hosts: list[str | None] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    return DistContext(rank, world, local_rank, device, backend, hosts.count(socket.gethostname()))
+    # torchrun says how many of its workers share this host; counting equal hostnames would not (hosts
+    # that share a name, such as containers, would count as one).
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, ranks_on_host)
 
 
 def set_threads(requested: int, ctx: DistContext) -> int:
-    """Intra-op threads: the host's cores shared by the ranks on it (oversubscription costs 2-5x)."""
-    threads = requested or max(1, (os.cpu_count() or 1) // ctx.ranks_on_host)
+    """Intra-op threads: the cores this process may use, shared by the ranks on its host (oversubscription
+    costs 2-5x)."""
+    threads = requested or max(1, usable_cores() // ctx.ranks_on_host)
     torch.set_num_threads(threads)
     return threads
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a scheduler's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 class CommTimer:

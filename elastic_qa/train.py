@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
     stop = StopRequest()  # set by a signal (once the loop runs) or by the watchdog
-    watchdog = AgentWatchdog(cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop)
+    watchdog = AgentWatchdog(
+        cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
+    )
     try:
         configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level, fault_file=cfg.debug.log_fault_file)
     except OSError as err:

@@ -185,7 +185,8 @@ class Trainer:
             if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError | FinalStateError):
                 raise
             self.control.enter(Phase.EMERGENCY)
-            self.session.save_emergency(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+            with self.stop_request.saving():  # a SIGTERM or the agent watchdog waits for it
+                self.session.save_emergency(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
             raise PeerFailure(str(err)) from err
         finally:
             self.stop_request.uninstall()
@@ -313,7 +314,8 @@ class Trainer:
     def _stop(self) -> dict[str, Any]:
         self.control.enter(Phase.STOPPING)
         self.log.warning("stopping", step=self.state.step, signal=self.stop_request.signal_name)
-        self.session.save_for_stop()
+        with self.stop_request.saving():
+            self.session.save_for_stop()
         return {"stopped": True, "step": self.state.step}
 
     def _finish(self) -> dict[str, Any]:

@@ -6,5 +6,6 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 [ -x "$here/../.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && python="$here/../.venv/bin/python"
-export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
+checkout="$(dirname "$here")"
+export PYTHONPATH="$checkout${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" -m elastic_qa.launcher.local "$@"

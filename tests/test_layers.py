@@ -1,6 +1,6 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
-0  the package root, config, exits
+0  the package root, config, exits, network
 1  dist, data, models, observe, checkpoint, metrics, debug
 2  state, optim, evaluate, export
 3  elastic (control plane, session, fencing, signals, watchdog)
@@ -17,7 +17,7 @@ from collections import defaultdict
 from tests.conftest import REPO
 
 LAYERS = {
-    "elastic_qa": 0, "config": 0, "exits": 0,
+    "elastic_qa": 0, "config": 0, "exits": 0, "network": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1,
     "state": 2, "optim": 2, "evaluate": 2, "export": 2,
     "elastic": 3,
@@ -25,7 +25,11 @@ LAYERS = {
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5,
 }  # fmt: skip
 # Among the entry points, who may use whom (a subprocess is not an import).
-ENTRY_USES = {"cli": {"ckpt", "bench", "chaos"}, "bench": {"chaos", "launcher"}, "chaos": {"launcher"}}
+ENTRY_USES = {
+    "cli": {"ckpt", "bench", "chaos", "launcher"},
+    "bench": {"chaos", "launcher"},
+    "chaos": {"launcher"},
+}
 
 
 def unit(module: str) -> str:

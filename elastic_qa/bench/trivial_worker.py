@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_qa.config import resolve_config
+from elastic_qa.observe.log import node_name
 
 SLEEP_S = 0.02
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
         "pid": os.getpid(),
-        "node": f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', 0)}",
+        "node": f"{node_name()}/{os.environ.get('GROUP_RANK', 0)}",
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     }
     logs = Path(cfg.run.dir) / "logs"

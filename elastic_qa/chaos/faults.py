@@ -41,7 +41,7 @@ def rank_zero_worker(job: Job) -> int:
     """pid of the rank-0 worker of the job's newest attempt (the checkpoint writer)."""
     starts = [
         row
-        for row in read_events(job.run_dir, "rank-000.pid-*.jsonl")
+        for row in read_events(job.run_dir, "rank-000.*.pid-*.jsonl")
         if row["event"] == "worker_start"
         and "attempt" in row
         and "pid" in row

@@ -5,12 +5,20 @@ itself stopped (preemption); SIGKILL follows 30 s later. A worker that saves wit
 completed step. SIGHUP (the terminal or SSH session of a run started by hand closed) is a request to stop
 like the others: by default it killed the process on the spot, losing every step since the last save.
 The agent watchdog asks for a stop through the same flag when the worker's agent dies.
+
+A signal never cuts a save short: the handler only sets the flag, so a SIGTERM that arrives during an
+emergency save (the agents send it as they die, e.g. when the c10d store host is lost) waits for the save,
+which is bounded by checkpoint.emergency_retry_for, inside torchrun's 30 s before its SIGKILL. The agent
+watchdog's hard exit likewise waits while `saving` says a save is in flight (see watchdog.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -34,6 +42,8 @@ class StopRequest:
         self.signum: int | None = None  # the first signal that asked for the stop; None for `request`
         self.received_ts: float | None = None
         self._previous: dict[int, Any] = {}
+        self._save_done = threading.Event()  # set while no save that must finish is in flight
+        self._save_done.set()
 
     def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         # Python starts with SIGPIPE ignored (a write to a closed pipe raises EPIPE, which the console and
@@ -60,6 +70,19 @@ class StopRequest:
             self.signal_name = reason
             self.received_ts = time.time()
         self._requested = True
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Marks a stop or emergency save in flight: a hard exit waits for it (`wait_for_save`)."""
+        self._save_done.clear()
+        try:
+            yield
+        finally:
+            self._save_done.set()
+
+    def wait_for_save(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a save in flight to end; whether none is in flight now."""
+        return self._save_done.wait(timeout_s)
 
     @property
     def requested(self) -> bool:

@@ -9,7 +9,8 @@ agent: its parent is a shell, and a shell that exits (`nohup ... &`, `setsid`, a
 no reason to stop. Stopping the orphan of a dead agent once killed it on the spot with os._exit and lost
 every step since the last checkpoint; it now asks the loop to stop (the group agrees on the next control
 step and rank 0 saves, or a collective fails and the emergency path saves) and only exits with 76
-regardless if the process is still there after `dist.agent_lost_grace`.
+regardless if the process is still there after `dist.agent_lost_grace`, or, when a stop or emergency save
+is in flight then, once that save ends (at most `save_limit` more: the save's own retry bound).
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ class AgentWatchdog:
     """Watches the parent that the process had at start (construct it first thing): when the parent
     changes, the agent has died. Inactive when no torchrun agent started the process."""
 
-    def __init__(self, interval: timedelta, grace: timedelta, stop_request: StopRequest) -> None:
+    def __init__(
+        self,
+        interval: timedelta,
+        grace: timedelta,
+        stop_request: StopRequest,
+        save_limit: timedelta = timedelta(0),
+    ) -> None:
         self.interval_s = interval.total_seconds()
         self.grace_s = grace.total_seconds()
+        self.save_limit_s = save_limit.total_seconds()
         self.stop_request = stop_request
         self.parent = torchrun_agent_pid()
         self.lost = False  # the agent died: the process must leave, with EXIT_AGENT_LOST
@@ -63,6 +71,8 @@ class AgentWatchdog:
         with contextlib.suppress(Exception):  # the log cannot raise, but nothing may keep the exit below
             get_logger().error("agent_lost", parent_pid=self.parent, grace_s=self.grace_s)
         # The loop stops after the step in progress and saves; if that (or a collective waiting for a
-        # dead peer) takes longer than the grace, leave regardless. os._exit: no cleanup that could block.
+        # dead peer) takes longer than the grace, leave regardless; a save in flight may still finish (the
+        # dead agent sends no SIGKILL that could cut it). os._exit: no cleanup that could block.
         time.sleep(self.grace_s)
+        self.stop_request.wait_for_save(self.save_limit_s)
         os._exit(EXIT_AGENT_LOST)

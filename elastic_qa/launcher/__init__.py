@@ -1,8 +1,10 @@
-"""Elastic torchrun agents on this host: the local launcher and what it needs.
+"""torchrun agents: the local launcher (all agents on this host) and the per-host command of a multi-node job.
 
     python -m elastic_qa.launcher.local start|join|leave|stop|status ...   (launch/local.sh in a checkout)
+    elastic-qa node --endpoint HOST0:29400 ...                             (launch/node.sh in a checkout)
 
-local.py is the command; rendezvous.py holds the rendezvous settings and their trade-offs; loopback.py
-runs torchrun and every worker with the TCP stores they host bound to loopback; processes.py finds the
-job's processes. The core packages never import this one.
+local.py is the local command; node.py the per-host one, with netplan.py deciding and checking its network
+settings; rendezvous.py holds the rendezvous settings and their trade-offs; loopback.py runs torchrun and
+every worker with the TCP stores they host bound to loopback; processes.py finds the job's processes. The
+core packages never import this one.
 """

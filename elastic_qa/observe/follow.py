@@ -32,7 +32,7 @@ def parse_log_line(line: bytes | str) -> dict[str, Any] | None:
 
 def read_events(run_dir: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
     """Every log event of a run that can be read, in time order: from <run_dir>/logs/, of the files that
-    match `pattern` (one per process: rank-<r>.pid-<pid>.jsonl)."""
+    match `pattern` (one per process: rank-<r>.<host>.pid-<pid>.jsonl)."""
     follower = LogFollower(Path(run_dir) / "logs", pattern)
     return sorted(follower.new_events(), key=lambda row: row.get("ts", 0.0))
 

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import structlog
+
+from elastic_qa.network import peer_facing_address
 
 # Fields added to every line: rank, local_rank, world_size, node, pid, attempt. A plain dict rather than
 # contextvars, so that background threads (the checkpoint writer, the agent watchdog) carry them too.
@@ -164,21 +167,49 @@ def _echo_problems(logger: Any, method: str, event_dict: dict) -> dict:
     return event_dict
 
 
+NODE_ENV = "ELASTIC_QA_NODE"  # set by `elastic-qa node`: this host's name as the logs give it
+
+
+def node_name() -> str:
+    """This host as the logs name it: `hostname@address`, the address being the one its peers reach it by.
+
+    A hostname alone is not enough: containers often share one, and so do hosts left with a distribution's
+    default. `elastic-qa node` passes the name it computed; a worker started by plain torchrun takes the
+    address it routes to rank 0's store from (MASTER_ADDR), and the bare hostname when that is loopback.
+    """
+    given = os.environ.get(NODE_ENV)
+    if given:
+        return given
+    address = peer_facing_address(os.environ.get("MASTER_ADDR"))
+    return f"{socket.gethostname()}@{address}" if address else socket.gethostname()
+
+
+def file_safe(text: str) -> str:
+    """`text` with every character a file name should not hold (/, :, spaces ...) replaced by '_'."""
+    return re.sub(r"[^A-Za-z0-9@._-]", "_", text)
+
+
 def process_identity() -> dict[str, Any]:
     env = os.environ
     return {
         "rank": int(env.get("RANK", 0)),
         "local_rank": int(env.get("LOCAL_RANK", 0)),
         "world_size": int(env.get("WORLD_SIZE", 1)),
-        "node": f"{socket.gethostname()}/{env.get('GROUP_RANK', 0)}",
+        "node": f"{node_name()}/{env.get('GROUP_RANK', 0)}",
         "pid": os.getpid(),
     }
+
+
+def log_file_name(rank: int, node: str, pid: int) -> str:
+    """`rank-<r>.<host>.pid-<pid>.jsonl`: unique in a run directory that several hosts share (pids repeat
+    across hosts; the host part is `node_name()`)."""
+    return f"rank-{rank:03d}.{file_safe(node.rsplit('/', 1)[0])}.pid-{pid}.jsonl"
 
 
 def configure_logging(
     log_dir: str | Path | None, level: str = "info", fault_file: str | Path | None = None, **static: Any
 ) -> Path | None:
-    """Log JSON lines to `<log_dir>/rank-<r>.pid-<pid>.jsonl` (stderr when log_dir is None).
+    """Log JSON lines to `<log_dir>/rank-<r>.<host>.pid-<pid>.jsonl` (stderr when log_dir is None).
 
     Raises OSError when the log directory or file cannot be created (the caller says so and exits); once
     open, nothing written to it raises.
@@ -189,7 +220,7 @@ def configure_logging(
     path = None
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(log_dir) / f"rank-{_STATIC['rank']:03d}.pid-{_STATIC['pid']}.jsonl"
+        path = Path(log_dir) / log_file_name(_STATIC["rank"], _STATIC["node"], _STATIC["pid"])
         stream = open(path, "ab", buffering=0)  # noqa: SIM115 (process-long)
         sink = _JsonLinesFile(stream, echo=True, fault_file=fault_file, name=str(path))
     else:

@@ -129,3 +129,17 @@ def test_installing_the_handlers_keeps_a_broken_pipe_from_killing_the_worker() -
     finally:
         stop.uninstall()
         signal.signal(signal.SIGPIPE, previous)
+
+
+def test_a_sigterm_during_a_save_only_marks_the_stop_and_a_hard_exit_waits_for_the_save() -> None:
+    stop = StopRequest()
+    stop.install()
+    try:
+        with stop.saving():
+            os.kill(os.getpid(), signal.SIGTERM)  # the dying agents' SIGTERM, mid-save
+            time.sleep(0.01)
+            assert stop.requested and stop.signal_name == "SIGTERM"
+            assert not stop.wait_for_save(0.01)  # a hard exit would wait here
+        assert stop.wait_for_save(0)
+    finally:
+        stop.uninstall()

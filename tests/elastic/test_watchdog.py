@@ -112,10 +112,13 @@ def committed_steps(run_dir: Path) -> list[int]:
     return [info.step for info in store.list_steps() if store.verify(info.path).ok]
 
 
-def grace_bound_s(run_dir: Path) -> float:
-    """How long after its agent's death the worker may still be there: from the config it ran with."""
-    dist = load_config(run_dir / "config.yaml").dist
-    return dist.agent_check_interval.total_seconds() + dist.agent_lost_grace.total_seconds() + SLACK_S
+def grace_bound_s(run_dir: Path, save_in_flight: bool = False) -> float:
+    """How long after its agent's death the worker may still be there: from the config it ran with (a save
+    still in flight when the grace ends may take up to checkpoint.emergency_retry_for more)."""
+    cfg = load_config(run_dir / "config.yaml")
+    save = cfg.checkpoint.emergency_retry_for.total_seconds() if save_in_flight else 0.0
+    watch = cfg.dist.agent_check_interval.total_seconds() + cfg.dist.agent_lost_grace.total_seconds()
+    return watch + save + SLACK_S
 
 
 def test_a_single_process_run_outlives_the_shell_that_started_it(tmp_path: Path, cache_dir: Path) -> None:
@@ -147,7 +150,7 @@ def test_a_worker_whose_agent_died_saves_its_last_step_and_exits_76(tmp_path: Pa
     assert outcome["seconds"] <= grace_bound_s(run_dir)
 
 
-def test_a_worker_whose_agent_died_and_whose_save_hangs_leaves_after_the_grace(
+def test_a_worker_whose_agent_died_and_whose_save_hangs_leaves_after_the_grace_and_the_save_bound(
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
@@ -160,9 +163,10 @@ def test_a_worker_whose_agent_died_and_whose_save_hangs_leaves_after_the_grace(
         "dist.agent_check_interval=100ms",
         "dist.agent_lost_grace=1s",
         "debug.save_delay=60s",  # the stop's save never finishes
+        "checkpoint.emergency_retry_for=1s",  # how long past the grace a save in flight may keep it
     )
     assert outcome["exit"] == EXIT_AGENT_LOST, outcome["output"]
-    assert outcome["seconds"] <= grace_bound_s(run_dir)
+    assert outcome["seconds"] <= grace_bound_s(run_dir, save_in_flight=True)
 
 
 def test_only_a_process_started_by_a_torchrun_agent_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.log import file_safe, node_name
 from tests.conftest import tiny_overrides
 
 STEPS = 12
@@ -33,7 +34,8 @@ def test_a_run_whose_log_file_is_on_a_full_disk_trains_to_the_end_and_commits(
     (run_dir / "logs").mkdir(parents=True)
     # The worker's own log file is /dev/full (every write fails with ENOSPC): `exec` keeps the pid that
     # names the file.
-    script = f'ln -s /dev/full "{run_dir}/logs/rank-000.pid-$$.jsonl" && exec "$@"'
+    name = f"rank-000.{file_safe(node_name())}.pid-$$.jsonl"
+    script = f'ln -s /dev/full "{run_dir}/logs/{name}" && exec "$@"'
     result = subprocess.run(
         ["sh", "-c", script, "sh", *command(run_dir, cache_dir)],
         capture_output=True,

@@ -1,0 +1,273 @@
+"""`elastic-qa node`: one host's part of a multi-node job, a thin layer over torchrun's own agent.
+
+    elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host]
+                    [--rdzv-backend c10d|etcd-v2] [--rdzv-id ID] [--interface IF] [--local-addr ADDR]
+                    [--config CFG] [overrides ...]
+
+Run the same command on every host. With c10d (the default) the endpoint is one training host's address
+and exactly that host adds --store-host: its agent holds the rendezvous store, and losing it ends the job
+(rerun the command everywhere to resume). With etcd-v2 the endpoint is an etcd server (3.4 with
+--enable-v2) off the training hosts, and the job survives the loss of any of them.
+
+What it adds to `torchrun ... -m elastic_qa.train`, and nothing else (torchrun restarts, regroups and
+stops the workers):
+- the network settings decided and checked first (elastic_qa.launcher.netplan): --local_addr, and
+  GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME for the interface that routes to the endpoint, unless set;
+  is_host from --store-host rather than from hostname resolution. A plan that would put a multi-host job
+  on loopback is refused with the fix, exit 2, as is bad config or data;
+- a crash loop (the same error at every attempt, no step trained) stops this host's agent, exit 2 when
+  the error is bad input, else 1, instead of burning every restart;
+- SIGTERM (a scheduler's preemption or time limit) and SIGINT go to torchrun, which stops the workers;
+  they save; this command exits 0 when the job had finished, else 128 + the signal (143 for SIGTERM:
+  "stopped by a signal, may be retried", which SLURM and Kubernetes read as such);
+- when the agent fails and the c10d endpoint no longer answers, it says the store host is gone.
+Each decision is one JSON line on stderr and in <run.dir>/nodes/<host>.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
+from elastic_qa.launcher.netplan import NetworkPlan, parse_endpoint, plan_network
+from elastic_qa.launcher.processes import python_env
+from elastic_qa.launcher.rendezvous import LAST_CALL_TIMEOUT_S, MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.observe.log import NODE_ENV, file_safe
+
+DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
+WORKER_MODULE = "elastic_qa.train"
+PR_SET_PDEATHSIG = 1
+CRASH_LOOP_ATTEMPTS = 3  # as the local launcher: attempts in a row failing with one error, none training
+STORE_PROBE_TIMEOUT_S = 2.0
+
+
+class NodeLog:
+    """One JSON line per decision, on stderr and in this host's own file under <run.dir>/nodes/."""
+
+    def __init__(self, run_dir: Path, node: str) -> None:
+        self.path = run_dir / "nodes" / f"{file_safe(node)}.jsonl"
+        self.node = node
+
+    def __call__(self, event: str, **fields) -> None:
+        line = json.dumps({"event": event, "ts": round(time.time(), 3), "node": self.node, **fields})
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # the console line is said; a shared disk may be full
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as handle:
+                handle.write(line + "\n")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: expected N or MIN:MAX (e.g. 1:4)") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise UsageError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return bounds
+
+
+def default_rdzv_id(run_dir: str) -> str:
+    """Every host computes the same id from the same run.dir: one run directory, one job."""
+    return "eqa-" + hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+
+
+def rendezvous_conf(backend: str, store_host: bool) -> str:
+    if backend == "c10d":
+        return rdzv_conf(store_host)
+    # etcd-v2 has no store host and no heartbeat settings (its keys expire on etcd's TTLs).
+    return f"last_call_timeout={LAST_CALL_TIMEOUT_S}"
+
+
+def torchrun_command(args: argparse.Namespace, plan: NetworkPlan, rdzv_id: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={args.nnodes}",
+        f"--nproc_per_node={args.nproc_per_node}",
+        f"--rdzv_backend={args.rdzv_backend}",
+        f"--rdzv_endpoint={args.endpoint}",
+        f"--rdzv_id={rdzv_id}",
+        f"--rdzv_conf={rendezvous_conf(args.rdzv_backend, args.store_host)}",
+        f"--max-restarts={args.max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        f"--local_addr={plan.local_addr}",
+        "-m",
+        args.module,
+        "--config",
+        args.config,
+        *args.overrides,
+    ]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when this launcher dies, so an agent is never left behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def store_answers(host: str, port: int) -> bool:
+    """Whether something accepts connections at the c10d endpoint."""
+    try:
+        with socket.create_connection((host, port), timeout=STORE_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def watch_for_crash_loop(
+    run_dir: Path, agent: subprocess.Popen, crash: dict, log: NodeLog, since: float = 0.0
+) -> None:
+    """Stop this host's agent when attempts keep failing the same way without training a step.
+
+    Only events from `since` on count: a run directory run again still holds the errors of earlier runs
+    (a crash loop that was fixed since), which must not stop this one."""
+    follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
+    while agent.poll() is None:
+        detector.feed([event for event in follower.new_events() if event.get("ts", since) >= since])
+        verdict = detector.verdict()
+        if verdict:
+            crash.update(error=verdict[0], bad_input=verdict[1])
+            log("crash_loop", error=verdict[0], attempts=CRASH_LOOP_ATTEMPTS)
+            with contextlib.suppress(ProcessLookupError):
+                agent.send_signal(signal.SIGTERM)
+            return
+        time.sleep(1.0)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    endpoint = parse_endpoint(args.endpoint, DEFAULT_PORTS[args.rdzv_backend])
+    low, high = parse_nnodes(args.nnodes)
+    if args.rdzv_backend == "etcd-v2":
+        if args.store_host:
+            raise UsageError("--store-host applies to the c10d backend only (etcd-v2 has no store host)")
+        if importlib.util.find_spec("etcd") is None:
+            raise UsageError(
+                "--rdzv-backend etcd-v2 needs the python-etcd client: pip install 'elastic-qa[etcd]'"
+            )
+    plan = plan_network(endpoint, args.store_host, args.rdzv_backend, args.local_addr, args.interface)
+    # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
+    from elastic_qa.launcher.local import check_inputs
+
+    cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
+    run_dir = Path(cfg.run.dir)
+    node = f"{socket.gethostname()}@{plan.local_addr}"
+    log = NodeLog(run_dir, node)
+    rdzv_id = args.rdzv_id or default_rdzv_id(str(run_dir))
+    command = torchrun_command(args, plan, rdzv_id)
+    env = {
+        **python_env(),
+        **plan.env,
+        NODE_ENV: node,
+        # Without it a joining agent dies in RendezvousStoreInfo.build (torch 2.13), and etcd-v2 needs it.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log(
+        "node_start",
+        endpoint=str(endpoint),
+        backend=args.rdzv_backend,
+        store_host=args.store_host,
+        nnodes=f"{low}:{high}",
+        rdzv_id=rdzv_id,
+        local_addr=plan.local_addr,
+        interface=plan.interface,
+        notes=list(plan.notes),
+    )
+    started = time.time()
+    agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    stopped_by: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        stopped_by.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            agent.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    crash: dict = {}
+    watch = (run_dir, agent, crash, log, started)
+    threading.Thread(target=watch_for_crash_loop, args=watch, daemon=True).start()
+    code = agent.wait()
+    return finish(args, endpoint, run_dir, code, stopped_by, crash, log)
+
+
+def finish(args, endpoint, run_dir: Path, code: int, stopped_by: list[int], crash: dict, log) -> int:
+    """This command's exit code, and one plain sentence when the job did not finish."""
+    if crash:
+        log("node_end", exit=EXIT_BAD_INPUT if crash["bad_input"] else EXIT_FAILED, agent_exit=code)
+        print(f"elastic-qa: the job stopped: every attempt fails with: {crash['error']}", file=sys.stderr)
+        return EXIT_BAD_INPUT if crash["bad_input"] else EXIT_FAILED
+    if code == 0:
+        from elastic_qa.launcher.local import print_result
+
+        log("node_end", exit=0, agent_exit=code)
+        print_result(run_dir)
+        return 0
+    if stopped_by:  # the workers saved on the way out (torchrun waits 30 s for them before SIGKILL)
+        exit_code = 128 + stopped_by[0]
+        log("node_end", exit=exit_code, agent_exit=code, signal=signal.Signals(stopped_by[0]).name)
+        return exit_code
+    c10d_peer = args.rdzv_backend == "c10d" and not args.store_host
+    gone = c10d_peer and not store_answers(endpoint.host, endpoint.port)
+    log("node_end", exit=EXIT_FAILED, agent_exit=code, store_host_gone=gone)
+    if gone:
+        print(
+            f"elastic-qa: the c10d store host {endpoint} is gone (nothing answers there): the job cannot "
+            "regroup without it. The workers committed what they could; run the same command on every "
+            "host again to resume, or use --rdzv-backend etcd-v2 to survive the loss of any host",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-qa node", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--endpoint", required=True, help="c10d: HOST0:29400 (the store host); etcd-v2: ETCD:2379"
+    )
+    parser.add_argument("--nnodes", default="1:4", help="MIN:MAX hosts (default 1:4)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="workers on this host (default 1)")
+    parser.add_argument("--store-host", action="store_true", help="c10d: this host holds the store")
+    parser.add_argument("--rdzv-backend", choices=sorted(DEFAULT_PORTS), default="c10d")
+    parser.add_argument("--rdzv-id", help="the job's id, the same on every host (default: from run.dir)")
+    parser.add_argument("--interface", help="network interface for gloo/nccl (default: routes to endpoint)")
+    parser.add_argument("--local-addr", help="this host's address for its peers (default: from the route)")
+    parser.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help=f"default {MAX_RESTARTS}")
+    parser.add_argument("--config", default="default", help="config file or packaged config name")
+    parser.add_argument("--module", default=WORKER_MODULE, help=f"worker module (default {WORKER_MODULE})")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.nproc_per_node < 1:
+        print("elastic-qa node: --nproc-per-node must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return run_node(args)
+    except UsageError as err:
+        print(f"elastic-qa node: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
