@@ -1,15 +1,17 @@
 """`elastic-qa`: the commands around training.
 
     elastic-qa prepare [--config CFG] [overrides]       tokenise once into the memory-mapped cache
-    elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint (newest valid in a dir)
+    elastic-qa config show [--config CFG] [overrides]   print the resolved config (YAML)
+    elastic-qa eval --checkpoint PATH [--data FILE]     EM/F1 of a checkpoint
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT
-    elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
-    elastic-qa bench throughput|checkpoint|resume|recovery|scaling [...]
+    elastic-qa ckpt list|verify|show PATH               look at checkpoints without training
+    elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
-    elastic-qa report RUN_DIR
+    elastic-qa report RUN_DIR                           one self-contained HTML page of a run
 
-Training itself is `python -m elastic_qa.train` under torchrun: `python -m elastic_qa.launcher.local`
-(launch/local.sh in a checkout) starts the agents.
+A checkpoint PATH is a run directory, its checkpoints directory (the newest valid checkpoint) or one
+step-N directory. Training itself: `launch/local.sh start` in a checkout (installed:
+`python -m elastic_qa.launcher.local start`), or `python -m elastic_qa.train` for one process.
 Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 """
 
@@ -22,31 +24,17 @@ from pathlib import Path
 
 import torch
 
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_of
-from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict, resolve_config
+from elastic_qa import __version__
+from elastic_qa.checkpoint.locate import load_checkpoint
+from elastic_qa.checkpoint.manager import LoadedCheckpoint
+from elastic_qa.checkpoint.store import CheckpointError
+from elastic_qa.config import Config, ConfigError, config_from_dict, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError, QAExample, read_squad
 from elastic_qa.evaluate import answers_from_windows, evaluate, predict_windows
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.models import ModelFamily, family_for
-from elastic_qa.observe.log import configure_logging
-
-
-def load_checkpoint(path: str) -> LoadedCheckpoint:
-    """A step directory, or the newest valid checkpoint of a checkpoint directory (path or URL)."""
-    store = CheckpointStore(path.rstrip("/"))
-    checkpointer = Checkpointer(CheckpointConfig(), store)
-    if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
-        parent, _, name = store.root.rpartition("/")
-        step = step_of(name) or 0
-        return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
-            store.root, step
-        )
-    loaded = checkpointer.load_newest()
-    if loaded is None:
-        raise UsageError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {path}`)")
-    return loaded
+from elastic_qa.observe.log import configure_terminal_logging
 
 
 def model_from_checkpoint(
@@ -72,9 +60,7 @@ def _device() -> torch.device:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-
     cfg = resolve_config(args.config, args.overrides)
-    configure_logging(None, cfg.log.level)
     started = time.perf_counter()
     data = prepare(cfg, family_for(cfg.model))
     skipped = sum(data.skipped.values())
@@ -123,6 +109,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    print(resolve_config(args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from elastic_qa import ckpt as inspect
 
@@ -137,26 +128,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"elastic-qa {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
-    p.add_argument("--config", default="default")
-    p.add_argument("overrides", nargs="*")
+    _config_arguments(p)
+    p = sub.add_parser("config", help="print the resolved config")
+    p.add_argument("config_command", choices=["show"], help="show: the resolved config as YAML")
+    _config_arguments(p)
     p = sub.add_parser("eval", help="EM/F1 of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (newest valid) or step-N")
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     p.add_argument("--data", help="SQuAD JSON to evaluate on (default: the run's evaluation split)")
     p = sub.add_parser("ask", help="answer one question from a context")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--context", required=True)
-    p.add_argument("--question", required=True)
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+    p.add_argument("--context", required=True, help="the text to find the answer in")
+    p.add_argument("--question", required=True, help="the question; the answer is a span of the context")
     p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
-    p.add_argument("ckpt_command", choices=["list", "verify", "show"])
-    p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
-    sub.add_parser("bench", help="benchmarks (see README); handled before this parser, see main()")
-    sub.add_parser("chaos", help="fault injection and its verdict; handled before this parser, see main()")
+    p.add_argument(
+        "ckpt_command",
+        choices=["list", "verify", "show"],
+        help="list: one line each; verify: load every file (exit 1 if one is damaged); show: one in detail",
+    )
+    p.add_argument("path", help=CHECKPOINT_HELP)
+    sub.add_parser("bench", help="benchmarks: throughput, checkpoint, resume, recovery, scaling, drift")
+    sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
     return parser
+
+
+CHECKPOINT_HELP = (
+    "a run directory or its checkpoints directory (the newest valid checkpoint), or one step-N directory"
+)
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default="default", help="YAML file, or a packaged config: default, tiny, squad"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
+    configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
             from elastic_qa.observe.report import render_report
@@ -177,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             out = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
             print(out)
             return 0
-        handler = {"prepare": cmd_prepare, "eval": cmd_eval, "ask": cmd_ask, "ckpt": cmd_ckpt}[args.command]
+        handler = {
+            "prepare": cmd_prepare,
+            "config": cmd_config,
+            "eval": cmd_eval,
+            "ask": cmd_ask,
+            "ckpt": cmd_ckpt,
+        }[args.command]
         return handler(args)
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.config_changes import suspicious_settings
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
@@ -27,7 +28,7 @@ from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
 from elastic_qa.models import family_for
-from elastic_qa.observe.console import print_safely
+from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.state import ResumeError
 from elastic_qa.trainer import Trainer
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
+        if ctx.is_main and _restart_count() == 0:
+            warn_suspicious(cfg, len(data.train))
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
         trainer.restore()  # reads only: a start refused here (exit 2) fences no job running on this run
         attempt = trainer.register_attempt()
@@ -128,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watchdog.stop()
         shutdown()
+
+
+def warn_suspicious(cfg: Config, train_windows: int) -> None:
+    """Settings that are valid but likely mistakes: logged; said on stderr unless the launcher said so."""
+    for warning in suspicious_settings(cfg, train_windows):
+        get_logger().warning("config_warning", warning=warning)
+        if not os.environ.get(UNDER_LAUNCHER):
+            print_safely(f"elastic-qa: warning: {warning}", sys.stderr)
 
 
 def stopped_exit_code(stop: StopRequest, agent_lost: bool) -> int:

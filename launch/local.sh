@@ -7,4 +7,6 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 [ -x "$here/../.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && python="$here/../.venv/bin/python"
 export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
+# The launcher names itself as typed here in its help and in the resume command it prints.
+export ELASTIC_QA_PROG="${ELASTIC_QA_PROG:-$0}"
 exec "$python" -m elastic_qa.launcher.local "$@"
