@@ -235,10 +235,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         nnodes=f"{args.min}:{args.max}",
     )
     stops: list[int] = []  # the signals that asked this launcher to stop the job
+    view = ProgressView(cfg.log.console)
 
     def stop_all(signum, _frame):
         if not stops:
-            say(f"stopping ({signal.Signals(signum).name}): every agent saves its step first")
+            view.stopping = True
+            view.say(
+                f"stopping ({signal.Signals(signum).name}): every agent saves its step first", always=True
+            )
         stops.append(signum)
         log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
         for agent in read_job(run_dir)["agents"]:
@@ -267,7 +271,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
 
-    monitor = JobMonitor(run_dir, started_at, ProgressView(cfg.log.console), CRASH_LOOP_ATTEMPTS, crash_loop)
+    monitor = JobMonitor(run_dir, started_at, view, CRASH_LOOP_ATTEMPTS, crash_loop)
     monitor.start()
     codes = {index: process.wait() for index, process in enumerate(started)}
     # Agents added later by `join` are not our children: wait for them too.

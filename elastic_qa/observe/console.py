@@ -109,6 +109,7 @@ class ProgressView:
         self.restarts = -1  # worker_start of rank 0 seen, minus one
         self.saved_step: int | None = None  # newest checkpoint committed while we watched
         self.done = False
+        self.stopping = False  # the launcher stops the job and said so: the workers' stop is no news
         self._rate_origin: tuple[float, int] | None = None  # (ts, step) of this group's first step event
         self._eta: float | None = None
         self._drawn = False  # a bar is on the screen, without its newline
@@ -177,7 +178,7 @@ class ProgressView:
             self.say(f"diagnosis at step {event.get('step')}: {finding}")
 
     def _on_stopping(self, event: dict[str, Any]) -> None:
-        if event.get("rank") == 0 and ("stopping", event.get("step")) not in self._said:
+        if event.get("rank") == 0 and not self.stopping and ("stopping", event.get("step")) not in self._said:
             self._said.add(("stopping", event.get("step")))
             self.say(f"stopping after step {event.get('step')} ({event.get('signal')}): saving")
 
@@ -215,9 +216,10 @@ class ProgressView:
             self._last_plain = now
             self._write(self.status() + "\n")
 
-    def say(self, text: str) -> None:
-        """One sentence on a line of its own; the bar, if any, is drawn again below it."""
-        if not self.enabled:
+    def say(self, text: str, always: bool = False) -> None:
+        """One sentence on a line of its own; the bar, if any, is drawn again below it. `always`: said
+        even with log.console=none (the launcher's own sentences: started, stopping, the result)."""
+        if not (self.enabled or always):
             return
         if self.in_place and self._drawn:
             self._write(f"\r\033[K{text}\n")
