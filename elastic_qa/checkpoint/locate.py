@@ -88,7 +88,11 @@ def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | Non
     """(step, the resolved config stored in it) of the newest checkpoint whose trainer.pt verifies and
     loads; None when there is none. Reads only trainer.pt: cheap enough to run before a job starts."""
     store = CheckpointStore(checkpoint_dir)
-    for info in reversed(store.list_steps()):
+    try:
+        infos = store.list_steps()
+    except OSError:  # unreadable: the worker's own restore says so, with the reason
+        return None
+    for info in reversed(infos):
         try:
             manifest = store.read_manifest(info.path)
             trainer = store.load_file(info.path, manifest, TRAINER_FILE)

@@ -289,7 +289,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         return 128 + stops[0]  # 130 for Ctrl-C, 143 for SIGTERM: what a shell expects of a stopped command
     # Agents of a c10d job finish together: one success means the job completed. Agents killed or
     # stopped on the way (exit codes != 0) do not make a completed job a failure.
-    if print_result(run_dir, started_at):
+    if print_result(run_dir, started_at) or 0 in codes.values():  # a --module worker logs no train_done
         return 0 if 0 in codes.values() else 1
     reason = "the job ended before its last step (agents stopped or failed; see their logs)"
     say(stop_sentence(reason, newest_saved_step(cfg.checkpoint_dir), resume))
@@ -442,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         "stop": cmd_stop,
         "status": cmd_status,
     }[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C before any agent started (checking inputs, building the cache)
+        print("elastic-qa: interrupted before the job started; nothing was started", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def run_dir_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
