@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
-        if ctx.is_main and _restart_count() == 0:
-            warn_suspicious(cfg, len(data.train))
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
         trainer.restore()  # reads only: a start refused here (exit 2) fences no job running on this run
         attempt = trainer.register_attempt()
@@ -99,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.log_start()
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
+            if _restart_count() == 0:  # once the start is accepted: a refused start says only why
+                warn_suspicious(cfg, len(data.train))
         result = trainer.train()
         if result["stopped"]:
             return stopped_exit_code(stop, watchdog.lost)
