@@ -224,7 +224,6 @@ def cmd_start(args: argparse.Namespace) -> int:
         "private": cfg.run.private,  # join/leave/stop write files too
         "agents": [],
     }
-    write_job(run_dir, job)
     started_at = time.time()
     log_action(
         run_dir,
@@ -245,7 +244,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             )
         stops.append(signum)
         log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
-        for agent in read_job(run_dir)["agents"]:
+        for agent in current_agents(run_dir, job):
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
 
@@ -255,6 +254,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     started: list[subprocess.Popen] = []
     try:
         for _ in range(args.agents):
+            if stops:  # stopped while starting: the agents started so far were told to stop
+                break
             started.append(start_agent(run_dir, job))
     except BaseException:
         for process in started:  # never leave agents of a half-started job behind
@@ -294,6 +295,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     reason = "the job ended before its last step (agents stopped or failed; see their logs)"
     say(stop_sentence(reason, newest_saved_step(cfg.checkpoint_dir), resume))
     return 1
+
+
+def current_agents(run_dir: Path, job: dict) -> list[dict]:
+    """The job's agents, those `join` added included; this launcher's own before launch.json is written."""
+    try:
+        return json.loads((run_dir / "launch.json").read_text())["agents"]
+    except (OSError, ValueError, KeyError):
+        return job["agents"]
 
 
 def say(text: str) -> None:

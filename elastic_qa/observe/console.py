@@ -129,17 +129,26 @@ class ProgressView:
         self.restarts += 1
         self.world_size = int(event.get("world_size", 0))
         self._rate_origin, self._eta = None, None  # a new group: its rate is measured afresh
-        if self.restarts:
-            self.say(f"regrouped: world size {self.world_size} (restart {self.restarts})")
 
     def _on_train_start(self, event: dict[str, Any]) -> None:
         if event.get("rank") == 0:
             self.total = int(event.get("max_steps", self.total))
 
     def _on_resume(self, event: dict[str, Any]) -> None:
-        if event.get("rank") == 0 and self.restarts == 0:
+        if event.get("rank") != 0:
+            return
+        if self.restarts <= 0:
             saved = event.get("saved_world_size")
             self.say(f"resuming from step {event.get('step')} (saved by world size {saved})")
+        else:
+            self._regrouped(f"resuming from step {event.get('step')}")
+
+    def _on_start_fresh(self, event: dict[str, Any]) -> None:
+        if event.get("rank") == 0 and self.restarts > 0:
+            self._regrouped("starting from step 0 (nothing was saved yet)")
+
+    def _regrouped(self, where: str) -> None:
+        self.say(f"regrouped: world size {self.world_size} (restart {self.restarts}), {where}")
 
     def _on_config_changed(self, event: dict[str, Any]) -> None:
         for change in event.get("changes", []):

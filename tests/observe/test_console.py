@@ -72,12 +72,18 @@ def test_the_eta_is_unknown_until_two_steps_of_one_group_were_seen_and_never_nan
     view = ProgressView("plain", out, plain_every_s=0)
     view.feed([*start(), step(1, 5.0)])
     view.feed([step(11, 6.0)])
-    view.feed([{"event": "worker_start", "rank": 0, "world_size": 1, "ts": 7.0}, step(12, 8.0, world=1)])
+    view.feed(
+        [
+            {"event": "worker_start", "rank": 0, "world_size": 1, "ts": 7.0},
+            {"event": "resume", "rank": 0, "step": 11, "ts": 7.5},
+            step(12, 8.0, world=1),
+        ]
+    )
 
     first, second, regroup, third = out.getvalue().splitlines()
     assert "eta --" in first and "nan" not in first
     assert "eta 9s" in second  # 89 steps to go at 10 steps/s
-    assert regroup == "regrouped: world size 1 (restart 1)"
+    assert regroup == "regrouped: world size 1 (restart 1), resuming from step 11"
     assert "eta --" in third and "world 1  restarts 1" in third  # a new group's rate is measured afresh
 
 
