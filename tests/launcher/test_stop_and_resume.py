@@ -18,7 +18,13 @@ from elastic_qa.observe.follow import read_events
 pytestmark = pytest.mark.integration
 
 # One agent of one worker: the fastest real job; the step delay leaves time to send the signal mid-run.
-SETTINGS = ("train.max_steps=2000", "debug.step_delay=20ms", "log.every_steps=1", "log.console=plain")
+SETTINGS = (
+    "train.max_steps=2000",
+    "train.warmup_steps=2",
+    "debug.step_delay=20ms",
+    "log.every_steps=1",
+    "log.console=plain",
+)
 
 
 def stop_with(job: Job, signum: int, at_step: int) -> tuple[int, str]:
@@ -46,7 +52,7 @@ def test_ctrl_c_exits_130_and_sigterm_143_after_saving_and_the_printed_command_r
     store = CheckpointStore(str(run_dir / "checkpoints"))
     job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=1, max_nodes=1)
     job.start()
-    code, output = stop_with(job, signal.SIGINT, at_step=8)  # past the warm-up of 5 steps
+    code, output = stop_with(job, signal.SIGINT, at_step=4)  # past the warm-up
 
     assert code == 130
     saved = store.list_steps()[-1].step
