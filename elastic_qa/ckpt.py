@@ -1,5 +1,7 @@
-"""`elastic-qa ckpt list | verify | show`: look at a checkpoint directory without training.
+"""`elastic-qa ckpt list | verify | show`: look at checkpoints without training.
 
+Each takes a run directory, its checkpoints directory or one step directory (resolve_checkpoint_path):
+list and verify then cover that one checkpoint, show picks the newest committed one of a directory.
 Everything shown comes from files an attacker may have written: each checkpoint gets one line, reasons
 are folded onto it with control characters escaped, and a path that is not a checkpoint directory (or,
 for `show`, not a checkpoint) is bad input (CheckpointError: one line, exit code 2).
@@ -10,21 +12,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore, step_of
-from elastic_qa.config import CheckpointConfig
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointInfo
 from elastic_qa.state import ResumeError, upgrade
 
 PRUNED = "pruned while verifying"
 
 
-def _checkpointer(path: str) -> Checkpointer:
-    """The checkpointer of directory `path`, which must exist (else CheckpointError: bad input)."""
-    store = CheckpointStore(path.rstrip("/") or "/")
-    if not store.fs.isdir(store.root):
-        what = "is not a directory" if store.fs.exists(store.root) else "does not exist"
-        raise CheckpointError(f"{path} {what}")
-    return Checkpointer(CheckpointConfig(), store)
+def _located(path: str) -> tuple[CheckpointLocation, Checkpointer, list[CheckpointInfo]]:
+    """The checkpoints `path` names (all of a directory, or the one step directory) and their checkpointer;
+    CheckpointError (bad input) when it names none."""
+    location = resolve_checkpoint_path(path)
+    checkpointer = location.checkpointer()
+    infos = checkpointer.store.list_steps(committed_only=False)
+    if location.step_path is not None:  # one checkpoint, maybe under a name that is not step-N
+        step = -1 if location.step is None else location.step
+        committed = checkpointer.store.fs.exists(f"{location.step_path}/{MANIFEST}")
+        infos = [CheckpointInfo(step, location.step_path, committed)]
+    if not infos:
+        raise CheckpointError(f"{path}: no checkpoints in {location.directory}")
+    return location, checkpointer, infos
 
 
 def _printable(text: Any) -> str:
@@ -60,10 +68,10 @@ def _size(manifest: dict[str, Any]) -> str:
 
 
 def cmd_list(path: str) -> int:
-    checkpointer = _checkpointer(path)
+    _, checkpointer, infos = _located(path)
     store = checkpointer.store
     rows = [("step", "epoch", "world", "size", "age", "verified")]
-    for info in store.list_steps(committed_only=False):
+    for info in infos:
         verdict = store.verify(info.path)
         if verdict.vanished or (not verdict.ok and store.vanished(info)):
             continue  # pruned since it was listed: no longer a checkpoint of this directory
@@ -81,8 +89,7 @@ def cmd_list(path: str) -> int:
             )
         )
     if len(rows) == 1:
-        print(f"no checkpoints in {path}")
-        return 0
+        raise CheckpointError(f"{path}: no checkpoints (every one was pruned while listing)")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
         print("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5])
@@ -91,8 +98,7 @@ def cmd_list(path: str) -> int:
 
 def cmd_verify(path: str) -> int:
     """Verify and load every checkpoint: 1 if one is damaged; one pruned meanwhile is no damage."""
-    checkpointer = _checkpointer(path)
-    infos = checkpointer.store.list_steps(committed_only=False)
+    _, checkpointer, infos = _located(path)
     bad = 0
     for info in infos:
         reason = _full_check(checkpointer, info)
@@ -101,27 +107,27 @@ def cmd_verify(path: str) -> int:
             continue
         print(f"step {info.step}: {'ok' if not reason else 'BAD: ' + reason}")
         bad += bool(reason)
-    if not infos:
-        print(f"no checkpoints in {path}")
     return 1 if bad else 0
 
 
 def cmd_show(path: str) -> int:
-    """One checkpoint in detail; anything that is not a valid checkpoint is bad input (one line, exit 2)."""
-    store = CheckpointStore(path.rstrip("/") or "/")
-    if not store.fs.exists(store.root):
-        raise CheckpointError(f"{path} does not exist")
-    parent, _, name = store.root.rpartition("/")
-    checkpointer = Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs))
-    step = step_of(name)
+    """One checkpoint in detail (of a directory: the newest committed); anything that is not a valid
+    checkpoint is bad input (one line, exit 2)."""
+    location, checkpointer, infos = _located(path)
+    if location.step_path is None:
+        committed = [info for info in infos if info.committed]
+        info = (committed or infos)[-1]
+    else:
+        info = infos[0]
+    shown = checkpointer.store.display(info.path) if location.step_path is None else path
     try:
-        loaded = checkpointer.load_step(store.root, -1 if step is None else step)
-        lines = _describe(path, loaded.trainer, loaded.manifest)
+        loaded = checkpointer.load_step(info.path, info.step)
+        lines = _describe(shown, loaded.trainer, loaded.manifest)
     except (CheckpointError, ResumeError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a valid checkpoint: {_one_line(err)}") from None
+        raise CheckpointError(f"{shown}: not a valid checkpoint: {_one_line(err)}") from None
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # verified, but not what we write
         reason = _one_line(f"{type(err).__name__}: {err}")
-        raise CheckpointError(f"{path}: not a checkpoint of this trainer ({reason})") from None
+        raise CheckpointError(f"{shown}: not a checkpoint of this trainer ({reason})") from None
     print("\n".join(lines))
     return 0
 

@@ -1,19 +1,21 @@
 """`elastic-qa`: the commands around training.
 
     elastic-qa prepare [--config CFG] [--workers N] [overrides]   tokenise once into the memory-mapped cache
+    elastic-qa config show [--config CFG] [overrides]   print the resolved config (YAML)
     elastic-qa eval --checkpoint PATH [--data FILE] [--out DIR] [--null-threshold X] [--json]
                                                         SQuAD v2 scores; predictions.json, null_odds.json
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
     elastic-qa export PATH --out DIR [--force]         weights + config, no training state
-    elastic-qa ckpt list|verify DIR, ckpt show DIR/step-N
+    elastic-qa ckpt list|verify|show PATH               look at checkpoints without training
     elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
-    elastic-qa report RUN_DIR
+    elastic-qa report RUN_DIR                           one self-contained HTML page of a run
     elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
                                                         this host's part of a multi-node job (torchrun)
 
-Training itself is `python -m elastic_qa.train` under torchrun: `python -m elastic_qa.launcher.local`
-(launch/local.sh in a checkout) starts the agents.
+A checkpoint PATH is a run directory, its checkpoints directory (the newest valid checkpoint) or one
+step-N directory. Training itself: `launch/local.sh start` in a checkout (installed:
+`python -m elastic_qa.launcher.local start`), or `python -m elastic_qa.train` for one process.
 Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from elastic_qa import __version__
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import ConfigError, resolve_config
 from elastic_qa.data.cache import prepare
@@ -39,7 +42,7 @@ from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.export import PredictionModel, export_checkpoint, load_for_prediction
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
 from elastic_qa.models import family_for
-from elastic_qa.observe.log import configure_logging
+from elastic_qa.observe.log import configure_terminal_logging
 
 
 def _device() -> torch.device:
@@ -47,9 +50,7 @@ def _device() -> torch.device:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-
     cfg = resolve_config(args.config, args.overrides)
-    configure_logging(None, cfg.log.level)
     started = time.perf_counter()
     data = prepare(cfg, family_for(cfg.model), workers=args.workers)
     skipped = sum(data.skipped.values())
@@ -157,6 +158,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    print(resolve_config(args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from elastic_qa import ckpt as inspect
 
@@ -181,18 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"elastic-qa {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
-    p.add_argument("--config", default="default")
+    _config_arguments(p)
     p.add_argument(
         "--workers",
         type=_positive,
         help="tokenising processes (default data.prepare_workers: one per CPU core); same cache whatever N",
     )
-    p.add_argument("overrides", nargs="*")
-    model_help = "run directory, checkpoint directory (newest valid), step-N directory or exported directory"
+    p = sub.add_parser("config", help="print the resolved config")
+    shows = p.add_subparsers(dest="config_command", required=True, metavar="show")
+    _config_arguments(shows.add_parser("show", help="the config after --config and the overrides, as YAML"))
     p = sub.add_parser("eval", help="SQuAD v2 EM/F1 of a model; writes predictions.json and null_odds.json")
-    p.add_argument("--checkpoint", required=True, help=model_help)
+    p.add_argument("--checkpoint", required=True, help=MODEL_HELP)
     p.add_argument("--data", help="SQuAD JSON to evaluate on (default: the run's evaluation split)")
     p.add_argument("--out", default=".", help="directory for predictions.json and null_odds.json (default .)")
     p.add_argument(
@@ -200,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     p = sub.add_parser("ask", help="answer one question from a context")
-    p.add_argument("--checkpoint", required=True, help=model_help)
-    p.add_argument("--context", required=True)
-    p.add_argument("--question", required=True)
+    p.add_argument("--checkpoint", required=True, help=MODEL_HELP)
+    p.add_argument("--context", required=True, help="the text to find the answer in")
+    p.add_argument("--question", required=True, help="the question; the answer is a span of the context")
     p.add_argument(
         "--null-threshold", type=float, help="no answer when null_odds exceed this (eval.null_threshold)"
     )
@@ -212,23 +220,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export", help="weights and config of a checkpoint, loadable without the training state"
     )
-    p.add_argument(
-        "checkpoint", help="run directory, checkpoint directory (newest valid) or step-N directory"
-    )
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--out", required=True, help="directory to create (must be empty or absent)")
     p.add_argument(
         "--force", action="store_true", help="replace a non-empty --out once the export is complete"
     )
     p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
-    p.add_argument("ckpt_command", choices=["list", "verify", "show"])
-    p.add_argument("path", help="checkpoint directory (list, verify) or one step directory (show)")
-    sub.add_parser("bench", help="benchmarks (see README); handled before this parser, see main()")
-    sub.add_parser("chaos", help="fault injection and its verdict; handled before this parser, see main()")
-    sub.add_parser("node", help="one host of a multi-node job; handled before this parser, see main()")
+    p.add_argument(
+        "ckpt_command",
+        choices=["list", "verify", "show"],
+        help="list: one line each; verify: load every file (exit 1 if one is damaged); show: one in detail",
+    )
+    p.add_argument("path", help=CHECKPOINT_HELP)
+    sub.add_parser(
+        "bench", help="benchmarks: throughput, checkpoint, resume, recovery, scaling, drift, prepare"
+    )
+    sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
+    sub.add_parser("node", help="this host's part of a multi-node job (torchrun agent, store host, network)")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
     return parser
+
+
+CHECKPOINT_HELP = (
+    "a run directory or its checkpoints directory (the newest valid checkpoint), or one step-N directory"
+)
+MODEL_HELP = CHECKPOINT_HELP + ", or a directory `elastic-qa export` wrote"
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default="default", help="YAML file, or a packaged config: default, tiny, squad"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
+    configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
             from elastic_qa.observe.report import render_report
@@ -254,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
             print(out)
             return 0
         handler = {
-            "prepare": cmd_prepare, "eval": cmd_eval, "ask": cmd_ask, "export": cmd_export, "ckpt": cmd_ckpt,
-        }[args.command]  # fmt: skip
+            "prepare": cmd_prepare,
+            "config": cmd_config,
+            "eval": cmd_eval,
+            "ask": cmd_ask,
+            "export": cmd_export,
+            "ckpt": cmd_ckpt,
+        }[args.command]
         return handler(args)
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)

@@ -220,7 +220,8 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 600
-    """Optimizer steps to train (steps count updates from 1)."""
+    """Optimizer steps to train (steps count updates from 1); changed on resume, the LR schedule keeps its
+    position."""
     global_batch_size: int = 32
     """Samples per optimizer step, whatever the world size; ranks split it (unevenly if need be)."""
     micro_batch_size: int = 32
@@ -389,7 +390,8 @@ class LogConfig:
     breakdown_every: int = 50
     """Write a `step_breakdown` event (data, compute, comm, optimizer, checkpoint, memory) every N steps."""
     console: Literal["auto", "progress", "plain", "none"] = "auto"
-    """Rank-0 console: a progress bar on a TTY (auto), plain lines, or none (YAML reads `off` as false)."""
+    """Rank 0's progress on the console (the launcher's under the launcher): in place on a TTY (auto;
+    `progress` forces it), plain lines, or none (YAML reads `off` as false)."""
     tensorboard: bool = False
     """Also write per-rank TensorBoard scalars under <run.dir>/tensorboard (needs the extra)."""
 

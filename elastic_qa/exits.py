@@ -7,7 +7,8 @@ Workers (`python -m elastic_qa.train`):
     75  stopped under torchrun (SIGTERM, SIGINT, SIGHUP) after saving: the agents regroup
     76  its torchrun agent died (after saving, or once dist.agent_lost_grace ran out)
     128 + n  a single process stopped by signal n after saving (130 SIGINT, 129 SIGHUP, 143 SIGTERM)
-Commands (`elastic-qa ...`, `python -m chaos ...`, the launcher): 0 ok, 1 a check failed, 2 bad input.
+Commands (`elastic-qa ...`, `python -m chaos ...`, the launcher): 0 ok, 1 a check failed, 2 bad input;
+the launcher's `start` stopped by a signal after saving: 128 + n (130 Ctrl-C, 143 SIGTERM).
 """
 
 EXIT_OK = 0

@@ -24,16 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore, step_of
-from elastic_qa.config import CheckpointConfig, Config, ConfigError, config_from_dict, load_config
+from elastic_qa.checkpoint.locate import load_checkpoint
+from elastic_qa.checkpoint.manager import LoadedCheckpoint
+from elastic_qa.config import Config, ConfigError, config_from_dict, load_config
 from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
 
 EXPORT_FILE = "elastic_qa_export.json"
 CONFIG_FILE = "elastic_qa_config.yaml"
 EXPORT_FORMAT = 1
-RUN_CONFIG = "config.yaml"  # what a run directory holds beside its checkpoints
 
 
 @dataclass
@@ -45,33 +44,6 @@ class PredictionModel:
     family: ModelFamily
     source: str  # e.g. "checkpoint runs/x/checkpoints/step-00000030 (step 30)"
     step: int
-
-
-def _checkpoint_dir(path: str) -> str:
-    """The checkpoint directory of a run directory; any other path unchanged."""
-    local = Path(path)
-    if not (local / RUN_CONFIG).is_file() or (local / MANIFEST).exists():
-        return path
-    try:
-        configured = load_config(local / RUN_CONFIG).checkpoint.dir
-    except ConfigError as err:
-        raise UsageError(f"{path}: a run directory whose config.yaml is not usable: {err}") from None
-    return configured or str(local / "checkpoints")
-
-
-def load_checkpoint(path: str) -> LoadedCheckpoint:
-    """A step directory, or the newest valid checkpoint of a checkpoint or run directory (path or URL)."""
-    store = CheckpointStore(_checkpoint_dir(path).rstrip("/") or "/")
-    if store.fs.exists(store.path(MANIFEST)):  # one checkpoint
-        parent, _, name = store.root.rpartition("/")
-        step = step_of(name) or 0
-        return Checkpointer(CheckpointConfig(), CheckpointStore(parent or "/", store.fs)).load_step(
-            store.root, step
-        )
-    loaded = Checkpointer(CheckpointConfig(), store).load_newest()
-    if loaded is None:
-        raise UsageError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {store.root}`)")
-    return loaded
 
 
 def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> PredictionModel:

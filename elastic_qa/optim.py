@@ -1,4 +1,10 @@
-"""Optimizer and learning-rate schedule: AdamW (fused where it can be) with warm-up and cosine decay."""
+"""Optimizer and learning-rate schedule: AdamW (fused where it can be) with warm-up and cosine decay.
+
+The schedule is an object whose position travels in every checkpoint (LambdaLR saves a callable object's
+attributes). A resume with another train.max_steps, warmup_steps or min_lr_ratio re-aims it (`retarget`)
+rather than re-stretching it: the learning rate continues from its value at the checkpoint and decays to
+the floor at the new horizon, never jumping back up.
+"""
 
 from __future__ import annotations
 
@@ -28,16 +34,45 @@ def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return decay, no_decay
 
 
+class LRSchedule:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`; after a
+    `retarget` at step s, cosine decay from the multiplier it had at s to `min_ratio` at the new total.
+
+    Attributes are plain numbers: they are the schedule's state in the checkpoint (weights_only loads it).
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
+        self.decay_from = -1  # step the current decay starts at (-1: right after warm-up)
+        self.decay_start_value = 1.0  # multiplier there
+
+    def __call__(self, completed: int) -> float:
+        retargeted = self.decay_from >= 0
+        if completed < self.warmup_steps and not retargeted:
+            return (completed + 1) / self.warmup_steps
+        start = self.decay_from if retargeted else self.warmup_steps
+        progress = min(1.0, (completed - start) / max(1, self.total_steps - start))
+        top, floor = self.decay_start_value, self.min_ratio
+        return floor + (top - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def settings(self) -> tuple[int, int, float]:
+        return self.warmup_steps, self.total_steps, self.min_ratio
+
+    def retarget(self, completed: int, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+        """New settings on resume at step `completed`, keeping the schedule's position (see the module)."""
+        if (warmup_steps, total_steps, min_ratio) == self.settings():
+            return
+        if completed < warmup_steps and completed < self.warmup_steps and self.decay_from < 0:
+            self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
+            return  # still warming up: the warm-up itself does not depend on the horizon
+        value = self(completed)
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
+        self.decay_from, self.decay_start_value = completed, value
+
+
 def lr_multiplier(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warm-up over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`."""
-
-    def multiplier(completed: int) -> float:
-        if completed < warmup_steps:
-            return (completed + 1) / warmup_steps
-        progress = min(1.0, (completed - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return multiplier
+    return LRSchedule(warmup_steps, total_steps, min_ratio)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -57,5 +92,23 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
     train = cfg.train
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_multiplier(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+        optimizer, LRSchedule(train.warmup_steps, train.max_steps, train.min_lr_ratio)
     )
+
+
+def retarget_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Config, saved_state: dict, saved_train: dict
+) -> None:
+    """After `scheduler.load_state_dict(saved_state)`: aim its schedule at this config's settings, keeping
+    its position. A checkpoint written before the schedule kept its settings (its `lr_lambdas` are None)
+    was trained with those of its stored config, `saved_train`."""
+    train = cfg.train
+    kept = any(entry is not None for entry in saved_state.get("lr_lambdas", ()))
+    for schedule in {id(f): f for f in scheduler.lr_lambdas}.values():
+        if not isinstance(schedule, LRSchedule):
+            continue
+        if not kept and saved_train:
+            schedule.warmup_steps = int(saved_train.get("warmup_steps", schedule.warmup_steps))
+            schedule.total_steps = int(saved_train.get("max_steps", schedule.total_steps))
+            schedule.min_ratio = float(saved_train.get("min_lr_ratio", schedule.min_ratio))
+        schedule.retarget(scheduler.last_epoch, train.warmup_steps, train.max_steps, train.min_lr_ratio)

@@ -35,6 +35,7 @@ from elastic_qa.checkpoint.state import (
 from elastic_qa.config import Config
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.dist import DistContext, unwrap
+from elastic_qa.optim import retarget_schedule
 
 STATE_FORMAT = 2
 
@@ -111,6 +112,9 @@ class TrainState:
             detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)
             raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {detail}") from None
         self.scheduler.load_state_dict(trainer["lr_scheduler"])
+        # Another max_steps, warm-up or floor re-aims the schedule from where it stands (see optim.py).
+        saved_train = trainer["config"].get("train", {}) if isinstance(trainer["config"], dict) else {}
+        retarget_schedule(self.scheduler, self.cfg, trainer["lr_scheduler"], saved_train)
         if self.scaler is not None and trainer["grad_scaler"]:
             self.scaler.load_state_dict(trainer["grad_scaler"])
         # An explicit lr (the config may have changed it) wins over the saved base lr.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.config_changes import suspicious_settings
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
@@ -27,7 +28,7 @@ from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
 from elastic_qa.models import family_for
-from elastic_qa.observe.console import print_safely
+from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.state import ResumeError
 from elastic_qa.trainer import Trainer
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.log_start()
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
+            if _restart_count() == 0:  # once the start is accepted: a refused start says only why
+                warn_suspicious(cfg, len(data.train))
         result = trainer.train()
         if result["stopped"]:
             return stopped_exit_code(stop, watchdog.lost)
@@ -130,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watchdog.stop()
         shutdown()
+
+
+def warn_suspicious(cfg: Config, train_windows: int) -> None:
+    """Settings that are valid but likely mistakes: logged; said on stderr unless the launcher said so."""
+    for warning in suspicious_settings(cfg, train_windows):
+        get_logger().warning("config_warning", warning=warning)
+        if not os.environ.get(UNDER_LAUNCHER):
+            print_safely(f"elastic-qa: warning: {warning}", sys.stderr)
 
 
 def stopped_exit_code(stop: StopRequest, agent_lost: bool) -> int:

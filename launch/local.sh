@@ -8,4 +8,6 @@ python="${PYTHON:-python3}"
 [ -x "$here/../.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && python="$here/../.venv/bin/python"
 checkout="$(dirname "$here")"
 export PYTHONPATH="$checkout${PYTHONPATH:+:$PYTHONPATH}"
+# The launcher names itself as typed here in its help and in the resume command it prints.
+export ELASTIC_QA_PROG="${ELASTIC_QA_PROG:-$0}"
 exec "$python" -m elastic_qa.launcher.local "$@"

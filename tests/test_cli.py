@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from elastic_qa.cli import main
+from elastic_qa import __version__
+from elastic_qa.cli import build_parser, main
+from elastic_qa.config import load_config, packaged_config
 from elastic_qa.data.squad import read_squad
 from elastic_qa.metrics import squad_v2_scores
 from tests.conftest import FIXTURES
@@ -145,3 +149,51 @@ def test_ask_json_gives_the_answer_its_character_span_and_null_odds(
             assert (reply["answer"], reply["start"], reply["end"]) == ("", None, None)
         else:
             assert reply["answer"] == span["text"] == context[reply["start"] : reply["end"]]
+
+
+@pytest.mark.parametrize("form", ["run", "step"])
+def test_eval_and_ask_take_a_run_directory_or_a_step_directory(
+    trained: Path, form: str, tmp_path: Path, capsys
+) -> None:
+    given = str(trained if form == "run" else trained / "checkpoints" / "step-00000020")
+    assert main(["eval", "--checkpoint", given, "--out", str(tmp_path)]) == 0
+    assert ("(step 30)" if form == "run" else "(step 20)") in capsys.readouterr().out
+    question = ["--context", "bako lives in rome .", "--question", "where does bako live ?"]
+    assert main(["ask", "--checkpoint", given, *question]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_version_and_a_help_that_lists_every_command_with_help_on_every_option(capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"elastic-qa {__version__}"
+
+    parser = build_parser()
+    help_text = parser.format_help()
+    for command in ("prepare", "config", "eval", "ask", "ckpt", "bench", "chaos", "report", "drift"):
+        assert command in help_text
+    assert "Exit codes" in help_text
+    commands = [parser]
+    while commands:  # every option of every command and subcommand
+        command = commands.pop()
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                commands += action.choices.values()
+            else:
+                assert action.help, f"{command.prog} {action.dest} has no help"
+
+
+def test_bench_help_is_for_users(capsys) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "drift" in out and "Exit codes" in out and "build_parser" not in out
+
+
+def test_config_show_prints_the_resolved_config_with_the_overrides(capsys) -> None:
+    assert main(["config", "show", "--config", "tiny", "train.max_steps=7"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert (
+        shown["train"]["max_steps"] == 7
+        and shown["model"] == load_config(packaged_config("tiny")).to_dict()["model"]
+    )
+    assert main(["config", "show", "train.max_stepz=7"]) == 2

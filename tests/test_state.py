@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ from elastic_qa.state import STATE_FORMAT, ResumeError, TrainState
 CTX = DistContext(0, 1, 0, torch.device("cpu"), None, 1)
 
 
-def fresh_state(seed: int = 0) -> TrainState:
-    cfg = load_config(packaged_config("tiny"))
+def fresh_state(seed: int = 0, *overrides: str) -> TrainState:
+    cfg = load_config(packaged_config("tiny"), overrides)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     optimizer = build_optimizer(model, cfg)
@@ -26,9 +28,9 @@ def fresh_state(seed: int = 0) -> TrainState:
     )
 
 
-def trained_state(steps: int) -> TrainState:
-    state = fresh_state()
-    for step in range(1, steps + 1):
+def trained_state(steps: int, *overrides: str, state: TrainState | None = None) -> TrainState:
+    state = state or fresh_state(0, *overrides)
+    for step in range(state.step + 1, steps + 1):
         loss = state.model(torch.randn(16, 4)).pow(2).sum()
         loss.backward()
         state.optimizer.step()
@@ -112,3 +114,43 @@ def test_a_newer_format_is_refused_naming_the_version() -> None:
     files[TRAINER_FILE]["format"] = STATE_FORMAT + 1
     with pytest.raises(ResumeError, match=f"format {STATE_FORMAT + 1} is newer"):
         fresh_state().load_state_dict(as_loaded(files, 1))
+
+
+def lr_of(state: TrainState) -> float:
+    return state.scheduler.get_last_lr()[0]
+
+
+def resumed(files: dict, step: int, *overrides: str) -> TrainState:
+    state = fresh_state(1, *overrides)
+    state.load_state_dict(as_loaded(files, step))
+    return state
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["schedule-in-checkpoint", "older-checkpoint"])
+def test_a_raised_max_steps_continues_the_lr_from_the_checkpoint_and_decays_over_the_new_horizon(
+    legacy: bool,
+) -> None:
+    saved = trained_state(30, "train.max_steps=40", "train.warmup_steps=5", "train.min_lr_ratio=0.1")
+    at_save = lr_of(saved)
+    files = saved.state_dict({}, attempt=1)
+    if legacy:  # written before the schedule kept its settings: they come from the stored config
+        files[TRAINER_FILE]["lr_scheduler"]["lr_lambdas"] = [None, None]
+    resume = ("train.max_steps=80", "train.warmup_steps=5", "train.min_lr_ratio=0.1")
+    state = resumed(files, 30, *resume)
+    assert lr_of(state) == pytest.approx(at_save)  # the LR the checkpoint ended with
+
+    rates = [lr_of(trained_state(step, state=state)) for step in range(31, 81)]
+    assert rates[0] <= at_save and rates[0] == pytest.approx(at_save, rel=0.01)  # no jump back up
+    assert all(b <= a for a, b in itertools.pairwise(rates))  # decays all the way...
+    assert rates[-1] == pytest.approx(0.1 * state.cfg.train.peak_lr)  # ...to the floor at the new end
+
+    # The re-aimed schedule travels in the next checkpoint: a resume without changes continues it.
+    again = resumed(state.state_dict({}, attempt=2), 80, *resume)
+    assert lr_of(again) == pytest.approx(rates[-1])
+
+
+def test_an_unchanged_config_resumes_the_schedule_exactly() -> None:
+    uninterrupted = trained_state(20)
+    files = trained_state(10).state_dict({}, attempt=1)
+    state = trained_state(20, state=resumed(files, 10))
+    assert lr_of(state) == lr_of(uninterrupted)

@@ -1,17 +1,4 @@
-"""`elastic-qa bench NAME [options]`: the benchmarks, one module each.
-
-    throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
-    checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
-    resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
-    recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
-    scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
-    drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
-    prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
-
-Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
-take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
-deterministic: one run per world size). Exit codes: 0 done (whether or not a goal was met), 1 a measured
-run failed, 2 bad arguments.
+"""`elastic-qa bench NAME [options]`: the benchmarks, one module each (USAGE is what users see).
 
 A benchmark module provides build_parser() and run(args, work_dir) -> dict (its JSON); this file handles
 argument errors, the work directory, logging of in-process work and the JSON file.
@@ -31,6 +18,23 @@ from elastic_qa.bench.common import BenchError, write_json
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.observe.log import configure_logging
 
+USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README's Benchmarks section).
+
+    throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
+    checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
+    resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
+    recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
+    scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+    drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
+    prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
+
+Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
+take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
+deterministic: one run per world size). Exit codes: 0 done (whether or not a goal was met), 1 a measured
+run failed, 2 bad arguments.
+`elastic-qa bench NAME --help` for the options of one.
+"""
+
 BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift", "prepare")
 
 
@@ -42,7 +46,7 @@ def main(argv: list[str]) -> int:
         )
         return EXIT_BAD_INPUT
     if argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(USAGE.strip())
         return 0
     name, rest = argv[0], list(argv[1:])
     if name not in BENCHMARKS:

@@ -29,6 +29,7 @@ from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.state import rng_state, versions
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
 from elastic_qa.config import Config
+from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.fencing import Fence
@@ -101,12 +102,30 @@ class CheckpointSession:
             raise ResumeError(
                 f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
             )
+        if loaded is not None:
+            self._check_config(loaded)
         if loaded is not None and loaded.step > cfg.train.max_steps:
             raise ResumeError(
                 f"checkpoint {self.store.display(loaded.path)} is at step {loaded.step}, past "
                 f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
             )
         return loaded
+
+    def _check_config(self, loaded: LoadedCheckpoint) -> None:
+        """Refuse a checkpoint of another model shape; log every other change with its effect."""
+        saved = loaded.trainer.get("config")
+        if not isinstance(saved, dict):
+            return
+        changes = config_changes(saved, self.cfg)
+        problem = refusal(changes, self.store.display(loaded.path))
+        if problem:
+            raise ResumeError(problem)
+        if changes:
+            self.log.info(
+                "config_changed",
+                step=loaded.step,
+                changes=[{"key": c.key, "old": c.old, "new": c.new, "effect": c.effect} for c in changes],
+            )
 
     def _run_id_of(self, path: str) -> str | None:
         try:

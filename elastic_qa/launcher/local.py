@@ -1,20 +1,14 @@
 """Elastic torchrun agents on this host: start a job, add an agent, stop one gracefully, stop all.
 
-    python -m elastic_qa.launcher.local start --agents 2 [--min 1 --max 4] [--config CFG] [--module M]
-                                              [overrides ...]
-    python -m elastic_qa.launcher.local join --run-dir DIR      # one more agent: the group regroups larger
-    python -m elastic_qa.launcher.local leave --run-dir DIR [--agent N]   # SIGTERM one: it saves and leaves
-    python -m elastic_qa.launcher.local stop --run-dir DIR      # SIGTERM every agent
-    python -m elastic_qa.launcher.local status --run-dir DIR
-
-In a checkout, `launch/local.sh` runs the same with the checkout's .venv.
+In a checkout `launch/local.sh` runs this module with the checkout's .venv; installed, it is
+`python -m elastic_qa.launcher.local`. The commands and their exit codes: arguments.py (its HELP).
 
 Every agent runs `torchrun --nnodes=MIN:MAX --nproc_per_node=P --rdzv_backend=c10d` on a free port with
 its own log file under <run.dir>/agents/, with the settings of `elastic_qa.launcher.rendezvous`. Two torch
 2.13 traps are handled here (see README): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly
 one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
-<run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line on stderr
-and in <run.dir>/agents/launch.jsonl.
+<run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line in
+<run.dir>/agents/launch.jsonl; the terminal gets the job's progress and sentences (launcher/terminal.py).
 
 Every agent is on this host, so everything the job listens on is kept on loopback (see `loopback_env`
 and elastic_qa.launcher.loopback). With run.private=true the launcher, its agents and their workers
@@ -30,22 +24,34 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from elastic_qa.checkpoint.locate import newest_saved_config
 from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.config_changes import config_changes, refusal, suspicious_settings
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
 from elastic_qa.launcher.processes import alive, python_env
-from elastic_qa.launcher.rendezvous import MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.launcher.terminal import (
+    DEFAULT_PROG,
+    PROG_ENV,
+    JobMonitor,
+    newest_saved_step,
+    resume_command,
+    stop_sentence,
+    wait_quietly,
+)
 from elastic_qa.models import family_for
-from elastic_qa.observe.follow import CrashLoopDetector, LogFollower, read_events
+from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
+from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 
 CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
-WORKER_MODULE = "elastic_qa.train"
 LOOPBACK = "127.0.0.1"
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
 ON_LOOPBACK = "elastic_qa.launcher.loopback"
@@ -53,8 +59,8 @@ PRIVATE_UMASK = 0o077
 
 
 def log_action(run_dir: Path | None, event: str, **fields) -> None:
+    """One JSON record in <run.dir>/agents/launch.jsonl (never on the terminal: that gets sentences)."""
     line = json.dumps({"event": event, "ts": round(time.time(), 3), **fields})
-    print(line, file=sys.stderr, flush=True)
     if run_dir is not None:
         (run_dir / "agents").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "agents" / "launch.jsonl", "a") as handle:
@@ -72,7 +78,8 @@ def read_job(run_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise SystemExit(f"launch: {path} not found: no job was started with --run-dir {run_dir}") from None
+        print(f"launch: {path} not found: no job was started with --run-dir {run_dir}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
 
 
 def write_job(run_dir: Path, job: dict) -> None:
@@ -128,7 +135,7 @@ def use_private_umask(private: bool) -> None:
         os.umask(PRIVATE_UMASK)
 
 
-def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
+def start_agent(run_dir: Path, job: dict) -> subprocess.Popen:
     index = len(job["agents"])
     is_host = index == 0
     log_path = run_dir / "agents" / f"agent-{index}.log"
@@ -139,17 +146,16 @@ def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
         **loopback_env(),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
+        UNDER_LAUNCHER: "1",  # the launcher owns the terminal: workers print plain lines to their log
     }
     handle = open(log_path, "ab")  # noqa: SIM115 - owned by the agent process
     process = subprocess.Popen(
         agent_command(job, is_host),
-        stdout=subprocess.PIPE if echo else handle,
+        stdout=handle,
         stderr=handle,
         env=env,
         start_new_session=True,  # Ctrl-C reaches the launcher, which stops agents in order
     )
-    if echo:
-        threading.Thread(target=_tee, args=(process.stdout, handle), daemon=True).start()
     agent = {
         "index": index,
         "pid": process.pid,
@@ -163,17 +169,10 @@ def start_agent(run_dir: Path, job: dict, echo: bool) -> subprocess.Popen:
     return process
 
 
-def _tee(stream, handle) -> None:
-    """Worker stdout (rank 0's progress and result) to the console and the agent's log."""
-    for line in iter(stream.readline, b""):
-        sys.stdout.write(line.decode(errors="replace"))
-        sys.stdout.flush()
-        handle.write(line)
-        handle.flush()
-
-
 def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
-    """Fail fast with exit 2 on a bad config or data, before any agent starts; build the data cache."""
+    """Fail fast with exit 2, before any agent starts, on a bad config or data, or on a checkpoint the
+    config cannot resume (another model shape); build the data cache; warn once of unlikely settings."""
+    configure_terminal_logging()  # in-process work (the cache build) speaks in sentences, if at all
     try:
         cfg = resolve_config(cfg_name, overrides)
     except ConfigError as err:
@@ -182,10 +181,24 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     try:
         if cfg.log.tensorboard:
             TensorBoardScalars.check_installed()
-        prepare(cfg, family_for(cfg.model))
+        data = prepare(cfg, family_for(cfg.model))
+        saved = newest_saved_config(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     except (DataError, ConfigError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
+    if saved is not None:
+        step, config = saved
+        problem = refusal(config_changes(config, cfg), f"{cfg.checkpoint_dir} (step {step})")
+        if step > cfg.train.max_steps:
+            problem = (
+                f"the newest checkpoint in {cfg.checkpoint_dir} is at step {step}, past "
+                f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
+            )
+        if problem:
+            print(f"elastic-qa: {problem}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT)
+    for warning in suspicious_settings(cfg, len(data.train)):
+        print(f"elastic-qa: warning: {warning}", file=sys.stderr)
     return cfg
 
 
@@ -210,6 +223,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         "private": cfg.run.private,  # join/leave/stop write files too
         "agents": [],
     }
+    started_at = time.time()
     log_action(
         run_dir,
         "job_start",
@@ -218,63 +232,95 @@ def cmd_start(args: argparse.Namespace) -> int:
         agents=args.agents,
         nnodes=f"{args.min}:{args.max}",
     )
+    stops: list[int] = []  # the signals that asked this launcher to stop the job
+    view = ProgressView(cfg.log.console)
+
+    def stop_all(signum, _frame):
+        if not stops:
+            view.stopping = True
+            view.say(
+                f"stopping ({signal.Signals(signum).name}): every agent saves its step first", always=True
+            )
+        stops.append(signum)
+        log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
+        for agent in current_agents(run_dir, job):
+            if alive(agent["pid"]):
+                os.kill(agent["pid"], signal.SIGTERM)
+
+    # Before the agents: a Ctrl-C from now on stops them in order (they ignore the terminal's signals).
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
     started: list[subprocess.Popen] = []
     try:
-        for i in range(args.agents):
-            started.append(start_agent(run_dir, job, echo=(i == 0)))
+        for _ in range(args.agents):
+            if stops:  # stopped while starting: the agents started so far were told to stop
+                break
+            started.append(start_agent(run_dir, job))
     except BaseException:
         for process in started:  # never leave agents of a half-started job behind
             process.kill()
         raise
+    say(
+        f"started {args.agents} agent{'s' if args.agents > 1 else ''} for {run_dir} (the job runs with "
+        f"{args.min} to {args.max}); their logs: {run_dir / 'agents'}"
+    )
 
-    def stop_all(signum, _frame):
-        log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
+    def crash_loop(error: str, _bad_input: bool) -> None:
+        log_action(run_dir, "crash_loop", error=error, attempts=CRASH_LOOP_ATTEMPTS)
         for agent in read_job(run_dir)["agents"]:
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
 
-    signal.signal(signal.SIGINT, stop_all)
-    signal.signal(signal.SIGTERM, stop_all)
-    crash = {}
-    watcher = threading.Thread(target=watch_for_crash_loop, args=(run_dir, started, crash), daemon=True)
-    watcher.start()
+    monitor = JobMonitor(run_dir, started_at, view, CRASH_LOOP_ATTEMPTS, crash_loop)
+    monitor.start()
     codes = {index: process.wait() for index, process in enumerate(started)}
     # Agents added later by `join` are not our children: wait for them too.
-    while any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes):
-        time.sleep(0.5)
+    wait_quietly(lambda: any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes))
+    monitor.stop()
     log_action(run_dir, "job_end", exit_codes=codes)
-    if crash:
-        print(f"elastic-qa: the job stopped: every attempt fails with: {crash['error']}", file=sys.stderr)
-        return EXIT_BAD_INPUT if crash.get("bad_input") else 1
-    print_result(run_dir)
+    if monitor.crash:
+        error, bad_input = monitor.crash
+        print(f"elastic-qa: the job stopped: every attempt fails with: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT if bad_input else 1
+    resume = resume_command(os.environ.get(PROG_ENV) or DEFAULT_PROG, args.argv)
+    if stops:
+        name = signal.Signals(stops[0]).name
+        say(stop_sentence(f"stopped by {name}", newest_saved_step(cfg.checkpoint_dir), resume))
+        return 128 + stops[0]  # 130 for Ctrl-C, 143 for SIGTERM: what a shell expects of a stopped command
     # Agents of a c10d job finish together: one success means the job completed. Agents killed or
     # stopped on the way (exit codes != 0) do not make a completed job a failure.
-    return 0 if 0 in codes.values() else 1
+    if print_result(run_dir, started_at) or 0 in codes.values():  # a --module worker logs no train_done
+        return 0 if 0 in codes.values() else 1
+    reason = "the job ended before its last step (agents stopped or failed; see their logs)"
+    say(stop_sentence(reason, newest_saved_step(cfg.checkpoint_dir), resume))
+    return 1
 
 
-def watch_for_crash_loop(run_dir: Path, started: list[subprocess.Popen], crash: dict) -> None:
-    """Stop the job when its attempts keep failing the same way without training (see CrashLoopDetector)."""
-    follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
-    while any(process.poll() is None for process in started):
-        detector.feed(follower.new_events())
-        verdict = detector.verdict()
-        if verdict:
-            error, bad_input = verdict
-            crash.update(error=error, bad_input=bad_input)
-            log_action(run_dir, "crash_loop", error=error, attempts=CRASH_LOOP_ATTEMPTS)
-            for agent in read_job(run_dir)["agents"]:
-                if alive(agent["pid"]):
-                    os.kill(agent["pid"], signal.SIGTERM)
-            return
-        time.sleep(1.0)
+def current_agents(run_dir: Path, job: dict) -> list[dict]:
+    """The job's agents, those `join` added included; this launcher's own before launch.json is written."""
+    try:
+        return json.loads((run_dir / "launch.json").read_text())["agents"]
+    except (OSError, ValueError, KeyError):
+        return job["agents"]
 
 
-def print_result(run_dir: Path) -> None:
-    """The final EM/F1 as rank 0 logged it."""
-    done = [row for row in read_events(run_dir) if row["event"] == "train_done" and "em" in row]
-    if done:
-        last = done[-1]
-        print(f"result: step {last['step']}  EM {last['em']:.4f}  F1 {last['f1']:.4f}  ({run_dir})")
+def say(text: str) -> None:
+    print_safely(text)
+
+
+def print_result(run_dir: Path, since: float = 0.0) -> bool:
+    """The final EM/F1 as rank 0 logged it, if the job (this launch of it) reached its end."""
+    done = [
+        row
+        for row in read_events(run_dir)
+        if row["event"] == "train_done" and row.get("ts", 0.0) >= since and row.get("rank", 0) == 0
+    ]
+    if not done:
+        return False
+    last = done[-1]
+    scores = f"  EM {last['em']:.4f}  F1 {last['f1']:.4f}" if "em" in last else ""
+    say(f"result: step {last['step']}{scores}  ({run_dir})")
+    return True
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -288,7 +334,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     if len(live) >= job["max"]:
         print(f"launch: the job already has its maximum of {job['max']} agents", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(start_agent(run_dir, job, echo=False).pid)
+    print(start_agent(run_dir, job).pid)
     return 0
 
 
@@ -331,43 +377,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m elastic_qa.launcher.local",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    start = sub.add_parser("start", help="start a job with N agents and wait for it")
-    start.add_argument("--agents", type=int, default=2, help="agents to start now (default 2)")
-    start.add_argument("--min", type=int, default=1, help="fewest agents the job runs with (default 1)")
-    start.add_argument("--max", type=int, default=4, help="most agents the job accepts (default 4)")
-    start.add_argument("--nproc-per-node", type=int, default=1, help="workers per agent (default 1)")
-    start.add_argument(
-        "--max-restarts",
-        type=int,
-        default=MAX_RESTARTS,
-        help=f"regroups each agent allows (default {MAX_RESTARTS})",
-    )
-    start.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
-    start.add_argument("--config", default="default", help="config file or packaged config name")
-    start.add_argument(
-        "--module",
-        default=WORKER_MODULE,
-        help=f"worker module the agents run, given --config and the overrides (default {WORKER_MODULE}; "
-        "the recovery benchmark runs a trivial baseline worker this way)",
-    )
-    start.add_argument("overrides", nargs="*", help="section.key=value")
-    for name, helptext in (
-        ("join", "add one agent to a running job"),
-        ("leave", "SIGTERM one agent (preemption): it saves and leaves"),
-        ("stop", "SIGTERM every agent"),
-        ("status", "list the job's agents"),
-    ):
-        command = sub.add_parser(name, help=helptext)
-        command.add_argument("--run-dir", required=True, help="run.dir of the job")
-        if name == "leave":
-            command.add_argument("--agent", type=int, help="agent index (default: the newest non-host)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = os.environ.get(PROG_ENV) or DEFAULT_PROG
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.argv = argv
+    run_dir_from_args(parser, args)
     if args.command == "start" and not 1 <= args.min <= args.agents <= args.max:
         parser.error(f"need 1 <= --min ({args.min}) <= --agents ({args.agents}) <= --max ({args.max})")
     handler = {
@@ -377,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         "stop": cmd_stop,
         "status": cmd_status,
     }[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C before any agent started (checking inputs, building the cache)
+        print("elastic-qa: interrupted before the job started; nothing was started", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class StepTimer:
         self._detailed = False
         self._stall = 0.0
         self._suspects: dict[int, int] = {}
-        self._last_findings: set[str] = set()
+        self._shown: set[str] = set()  # kinds of finding the console was told of
         self.step = 0
 
     def start_step(self, step: int) -> None:
@@ -137,8 +137,9 @@ class StepTimer:
             )
         if comm_share > COMM_BOUND:
             findings.append(
-                f"communication-bound: all-reduce {comm_share:.0%} of step time: larger per-rank "
-                "batch, gradient accumulation (micro_batch_size), dist.comm_hook=bf16"
+                f"communication-bound: the gradient all-reduce takes {comm_share:.0%} of step time (usual "
+                "for a small model); more work per rank and step (a larger train.global_batch_size) or "
+                "dist.comm_hook=bf16 raises samples/s"
             )
         if len(busy) >= 2:
             median = statistics.median(busy)
@@ -153,9 +154,9 @@ class StepTimer:
         for finding in findings:
             log.warning("diagnosis", step=self.step, finding=finding)
             kind = finding.split(":")[0]
-            if console is not None and kind not in self._last_findings:  # the console hears of it once
-                console.line(f"diagnosis step {self.step}: {finding}")
-        self._last_findings = {finding.split(":")[0] for finding in findings}
+            if console is not None and kind not in self._shown:  # the console hears of each once
+                self._shown.add(kind)
+                console.line(f"diagnosis at step {self.step}: {finding}")
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -154,8 +154,11 @@ class _JsonLinesFile:
         return json.dumps(fields, default=str)
 
 
-# Events whose caller also prints one plain sentence to stderr: echoing them too would say it twice.
-_SAID_BY_CALLER = frozenset({"bad_input", "checkpoint_fatal", "checkpoint_lost"})
+# Events whose caller also says so in a plain sentence (stderr, or the console for diagnoses and config
+# warnings): echoing them too would say it twice.
+_SAID_BY_CALLER = frozenset(
+    {"bad_input", "checkpoint_fatal", "checkpoint_lost", "diagnosis", "config_warning"}
+)
 
 
 def _echo_problems(logger: Any, method: str, event_dict: dict) -> dict:
@@ -238,6 +241,23 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     return path
+
+
+def configure_terminal_logging() -> None:
+    """For commands a person runs (the launcher, `elastic-qa prepare`): warnings and errors of in-process
+    work as one plain line each on stderr, info events not at all (no JSON beside the command's output)."""
+
+    def sentence(_logger: Any, method: str, event_dict: dict) -> str:
+        event = event_dict.pop("event", "")
+        fields = ", ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("level", "ts", "time"))
+        return f"elastic-qa: {method}: {event}" + (f" ({fields})" if fields else "")
+
+    structlog.configure(
+        processors=[sentence],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=lambda *_: _JsonLinesFile(sys.stderr, echo=False, name="stderr"),
+        cache_logger_on_first_use=False,
+    )
 
 
 def update_identity(**fields: Any) -> None:

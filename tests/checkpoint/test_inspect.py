@@ -115,10 +115,13 @@ def test_verify_reports_a_step_directory_without_a_manifest(tmp_path: Path, caps
     assert "step 6: BAD: manifest.json missing" in capsys.readouterr().out
 
 
-def test_verify_and_list_an_empty_directory(tmp_path: Path, capsys) -> None:
-    assert inspect.cmd_verify(str(tmp_path)) == 0
-    assert inspect.cmd_list(str(tmp_path)) == 0
-    assert "no checkpoints" in capsys.readouterr().out
+@pytest.mark.parametrize("command", ["list", "verify", "show"])
+def test_a_directory_with_no_checkpoints_is_bad_input_said_in_one_sentence(
+    tmp_path: Path, capsys, command: str
+) -> None:
+    assert cli_main(["ckpt", command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoints" in err and len(err.strip().splitlines()) == 1
 
 
 def test_show_of_a_damaged_checkpoint_fails_with_exit_code_2(checkpoints: CheckpointStore, capsys) -> None:

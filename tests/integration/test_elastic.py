@@ -6,6 +6,7 @@ steps lost per restart (from the `resume` events), and the final parameters agai
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -185,14 +186,23 @@ def test_sigterm_of_an_agent_saves_and_the_rest_continue(
     assert any(e["reason"] == "sigterm" for e in commits)
 
 
-def test_a_checkpoint_that_does_not_fit_stops_the_job_with_exit_2(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_checkpoint_of_another_model_shape_is_refused_with_exit_2_before_any_agent_starts(
+    tmp_path: Path, cache_dir: Path
+) -> None:
     run_dir = tmp_path / "run"
     job = run_job(run_dir, cache_dir, "train.max_steps=5")
     assert finish(job) == 0
     config_before = (run_dir / "config.yaml").read_text()
-    job = run_job(run_dir, cache_dir, "train.max_steps=10", "model.d_model=64")  # the model changed shape
-    assert finish(job, timeout=120) == 2  # not 100 restarts: the crash loop is seen and the job stopped
-    assert "does not fit this run" in (run_dir / "chaos" / "launcher.log").read_text()
+    agents_before = json.loads((run_dir / "launch.json").read_text())["agents"]
+    job = Job(
+        run_dir, "tiny", [f"data.cache_dir={cache_dir}", *COMMON, "train.max_steps=10", "model.d_model=64"]
+    )
+    job.start()  # the model changed shape: refused up front, not after a crash loop of restarts
+    assert finish(job, timeout=60) == 2
+    said = (run_dir / "chaos" / "launcher.log").read_text()
+    assert "model.d_model: 32 -> 64" in said and "cannot be resumed" in said
+    assert json.loads((run_dir / "launch.json").read_text())["agents"] == agents_before  # none started
+    assert len([e for e in read_events(run_dir) if e["event"] == "worker_start"]) == 2  # the first job's
     assert (run_dir / "config.yaml").read_text() == config_before  # the good run's config is kept
     assert (run_dir / "checkpoints" / "step-00000005" / "manifest.json").exists()
 

@@ -1,0 +1,117 @@
+"""What changed between the config a checkpoint was trained with and the config resuming it, and what the
+change does; and settings that are valid but almost certainly not what the user meant.
+
+Every checkpoint stores its resolved config. On resume:
+    shape changes (model.kind and the model's dimensions, the tokenizer and its vocabulary) are refused:
+        the weights cannot be loaded into the new model, or would mean something else
+    other changes are allowed, listed (the `config_changed` event and one console line each) with the
+        effect documented in EFFECTS
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_qa.config import Config
+
+# model.* fields that do not change what the weights are; every other model field is a shape.
+_MODEL_NOT_SHAPE = frozenset({"model.dropout", "model.grad_checkpointing"})
+_DATA_SHAPE = frozenset({"data.tokenizer", "data.vocab_size", "data.lowercase"})
+# Where things are, not what is trained: a run resumed from another path is the same run.
+_IGNORED = frozenset({"run.dir", "checkpoint.dir", "data.cache_dir"})
+
+_SCHEDULE = "the learning rate keeps its position: from its value at the checkpoint"
+_NEW_DATA = "other training windows: the data position (samples consumed in the epoch) counts them instead"
+EFFECTS: dict[str, str] = {
+    "train.max_steps": f"{_SCHEDULE} it decays to train.min_lr_ratio x lr at the new train.max_steps",
+    "train.warmup_steps": "counts only while still warming up; past warm-up the decay goes on unchanged",
+    "train.min_lr_ratio": f"{_SCHEDULE} it decays to the new floor at train.max_steps",
+    "train.lr": "the learning rate is rescaled by the new peak from the resumed step on",
+    "train.lr_scaling": "the peak learning rate changes from the resumed step on",
+    "train.reference_batch_size": "the peak learning rate changes from the resumed step on (lr_scaling)",
+    "train.global_batch_size": "steps from now on take the new batch; the data position is kept",
+    "run.seed": "the order of the current epoch changes: its remaining samples are drawn from another "
+    "permutation (some seen twice, some not at all this epoch)",
+    "data.source": _NEW_DATA,
+    "data.max_seq_len": _NEW_DATA,
+    "data.max_query_len": _NEW_DATA,
+    "data.doc_stride": _NEW_DATA,
+}
+DEFAULT_EFFECT = "applies from the resumed step on"
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    key: str  # dotted, e.g. train.max_steps
+    old: Any
+    new: Any
+    shape: bool  # the checkpoint's weights do not fit (or mean something else): refused
+
+    @property
+    def effect(self) -> str:
+        if self.shape:
+            return "the checkpoint's weights do not fit the new model"
+        if self.key in EFFECTS:
+            return EFFECTS[self.key]
+        if self.key.startswith("data.synthetic."):
+            return _NEW_DATA
+        return DEFAULT_EFFECT
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}: {self.effect}"
+
+
+def is_shape(key: str) -> bool:
+    return (key.startswith("model.") and key not in _MODEL_NOT_SHAPE) or key in _DATA_SHAPE
+
+
+def config_changes(saved: dict[str, Any], current: Config) -> list[ConfigChange]:
+    """The differences between a checkpoint's stored config and `current`, shape changes first."""
+    changes = [
+        ConfigChange(key, old, new, is_shape(key))
+        for key, old, new in _differences(saved, current.to_dict(), "")
+        if key not in _IGNORED
+    ]
+    return sorted(changes, key=lambda change: not change.shape)
+
+
+def refusal(changes: list[ConfigChange], where: str) -> str | None:
+    """The sentence refusing a resume across shape changes, or None when there are none."""
+    shapes = [change for change in changes if change.shape]
+    if not shapes:
+        return None
+    listed = "; ".join(f"{c.key}: {c.old!r} -> {c.new!r}" for c in shapes)
+    return (
+        f"the checkpoint in {where} was trained with another model shape ({listed}): it cannot be "
+        "resumed with this config; keep those settings, or use a new run.dir to train from scratch"
+    )
+
+
+def suspicious_settings(cfg: Config, train_windows: int) -> list[str]:
+    """Valid settings that are very likely mistakes, one sentence each (warned about once at start)."""
+    train = cfg.train
+    found = []
+    if train.warmup_steps >= train.max_steps:
+        found.append(
+            f"train.warmup_steps={train.warmup_steps} >= train.max_steps={train.max_steps}: the run ends "
+            "before warm-up does, so the learning rate never reaches train.lr"
+        )
+    if train.global_batch_size > train_windows:
+        found.append(
+            f"train.global_batch_size={train.global_batch_size} is larger than the {train_windows} training "
+            "windows: every step takes the whole epoch, with fewer samples than the batch size"
+        )
+    return found
+
+
+def _differences(old: Any, new: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """Keys in both trees whose values differ. A key only one side has is left out: a checkpoint written
+    before a field existed did not choose a value for it."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in (k for k in new if k in old):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            found += _differences(old[key], new[key], name)
+        return found
+    return [] if old == new else [(prefix, old, new)]

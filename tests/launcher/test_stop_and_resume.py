@@ -1,0 +1,103 @@
+"""A real launcher stopped by real signals: Ctrl-C exits 130, SIGTERM 143, each after saving, each
+printing the saved step and the command that resumes the job; that command resumes from that step."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_qa.chaos.job import Job
+from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.launcher.terminal import DEFAULT_PROG
+from elastic_qa.observe.follow import read_events
+
+pytestmark = pytest.mark.integration
+
+# One agent of one worker: the fastest real job; the step delay leaves time to send the signal mid-run.
+SETTINGS = (
+    "train.max_steps=2000",
+    "train.warmup_steps=2",
+    "debug.step_delay=20ms",
+    "log.every_steps=1",
+    "log.console=plain",
+)
+
+
+def stop_with(job: Job, signum: int, at_step: int) -> tuple[int, str]:
+    job.wait_for_step(at_step)
+    assert job.process is not None
+    job.process.send_signal(signum)
+    try:
+        code = job.wait(timeout=90)
+    finally:
+        job.kill_everything()
+    return code, (job.run_dir / "chaos" / "launcher.log").read_text()
+
+
+def printed_resume_command(output: str) -> list[str]:
+    line = next(line for line in output.splitlines() if "resume with: " in line)
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[: len(DEFAULT_PROG.split())] == DEFAULT_PROG.split()
+    return command[len(DEFAULT_PROG.split()) :]
+
+
+def test_ctrl_c_exits_130_and_sigterm_143_after_saving_and_the_printed_command_resumes(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=1, max_nodes=1)
+    job.start()
+    code, output = stop_with(job, signal.SIGINT, at_step=4)  # past the warm-up
+
+    assert code == 130
+    saved = store.list_steps()[-1].step
+    assert f"stopped by SIGINT: saved step {saved}; resume with: " in output
+    assert '"event"' not in output  # the launcher's JSON records are in its log file, not on the terminal
+
+    # The printed command, run again with a longer horizon (SIGTERM this time), resumes from the saved step.
+    command = printed_resume_command(output)
+    assert command[0] == "start" and f"run.dir={run_dir}" in command
+    command.append("train.max_steps=3000")
+    resumed = Job(run_dir, "tiny", [], agents=1, max_nodes=1)
+    resumed.start = lambda: _start_exactly(resumed, command)  # type: ignore[method-assign]
+    resumed.start()
+    code, output = stop_with(resumed, signal.SIGTERM, at_step=saved + 2)
+
+    assert code == 143
+    assert f"resuming from step {saved}" in output
+    assert f"stopped by SIGTERM: saved step {store.list_steps()[-1].step}; resume with: " in output
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["event"] == "resume"] == [saved]
+    (changed,) = [e for e in events if e["event"] == "config_changed"]
+    assert [(c["key"], c["old"], c["new"]) for c in changed["changes"]] == [("train.max_steps", 2000, 3000)]
+    assert (
+        "config changed since the checkpoint: train.max_steps 2000 -> 3000: the learning rate keeps" in output
+    )
+    lr = {e["step"]: e["lr"] for e in events if e["event"] == "step"}
+    assert lr[saved + 1] <= lr[saved]  # the new horizon does not lift the learning rate back up
+
+
+def _start_exactly(job: Job, command: list[str]) -> None:
+    """Job.start, but with the launcher arguments exactly as printed (not rebuilt from Job's fields)."""
+    import subprocess
+    import time
+
+    from elastic_qa.launcher.processes import python_env
+
+    out = open(job.run_dir / "chaos" / "launcher.log", "wb")  # noqa: SIM115 - lives with the job
+    launch = job.run_dir / "launch.json"
+    before = launch.stat().st_mtime_ns
+    job.process = subprocess.Popen(
+        [sys.executable, "-m", "elastic_qa.launcher.local", *command],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=python_env(),
+    )
+    deadline = time.monotonic() + 60
+    while launch.stat().st_mtime_ns == before and time.monotonic() < deadline:
+        time.sleep(0.05)

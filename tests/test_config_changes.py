@@ -1,0 +1,55 @@
+"""Config changes between a checkpoint and the config resuming it: shapes refused, the rest explained;
+settings that are valid but likely mistakes."""
+
+from __future__ import annotations
+
+from elastic_qa.config import load_config, packaged_config
+from elastic_qa.config_changes import DEFAULT_EFFECT, config_changes, refusal, suspicious_settings
+
+
+def tiny(*overrides: str):
+    return load_config(packaged_config("tiny"), overrides)
+
+
+def test_an_unchanged_config_or_another_location_is_no_change() -> None:
+    saved = tiny().to_dict()
+    assert config_changes(saved, tiny()) == []
+    assert config_changes(saved, tiny("run.dir=/elsewhere", "data.cache_dir=/tmp/c")) == []
+
+
+def test_shape_changes_are_refused_naming_each_and_listed_first() -> None:
+    saved = tiny().to_dict()
+    changes = config_changes(saved, tiny("train.max_steps=99", "model.d_model=64", "data.vocab_size=512"))
+
+    assert [(c.key, c.shape) for c in changes] == [
+        ("data.vocab_size", True),
+        ("model.d_model", True),
+        ("train.max_steps", False),
+    ]
+    sentence = refusal(changes, "runs/x/checkpoints")
+    assert sentence is not None and "model.d_model" in sentence and "data.vocab_size" in sentence
+    assert "train.max_steps" not in sentence
+
+
+def test_other_changes_are_allowed_with_their_documented_effect() -> None:
+    saved = tiny().to_dict()
+    changes = config_changes(saved, tiny("train.max_steps=99", "model.dropout=0.1", "log.every_steps=3"))
+
+    assert refusal(changes, "x") is None
+    effects = {c.key: c.effect for c in changes}
+    assert "keeps its position" in effects["train.max_steps"]
+    assert effects["model.dropout"] == effects["log.every_steps"] == DEFAULT_EFFECT
+
+
+def test_a_key_the_checkpoint_predates_is_not_a_change() -> None:
+    saved = tiny().to_dict()
+    del saved["model"]["grad_checkpointing"], saved["model"]["d_ff"]
+    assert config_changes(saved, tiny()) == []
+
+
+def test_warmup_as_long_as_the_run_and_a_batch_larger_than_the_data_are_suspicious() -> None:
+    assert suspicious_settings(tiny(), train_windows=2000) == []
+    found = suspicious_settings(tiny("train.warmup_steps=40", "train.global_batch_size=64"), train_windows=50)
+    assert len(found) == 2
+    assert "train.warmup_steps=40 >= train.max_steps=40" in found[0]
+    assert "train.global_batch_size=64 is larger than the 50 training windows" in found[1]
