@@ -9,7 +9,7 @@ RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: run test lint install dev clean
+.PHONY: run test test-long lint install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: $(VENV)/.dev
 
 test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.
+test-long: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m long $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

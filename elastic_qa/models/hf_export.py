@@ -16,6 +16,9 @@ def save_pretrained_qa(model: Any, tokenizer: Any, out: Path) -> None:
 
     Weights go out as safetensors only (transformers' default since 4.35, its only format from 5).
     """
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line of "Writing model shards" per export is noise
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if not (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").is_file():
