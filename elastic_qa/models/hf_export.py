@@ -7,6 +7,7 @@ imported only when these run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ def save_pretrained_qa(model: Any, tokenizer: Any, out: Path) -> None:
     transformers_logging.disable_progress_bar()  # one line of "Writing model shards" per export is noise
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _loadable_by_transformers_4(out / "tokenizer_config.json")
     if not (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").is_file():
         raise RuntimeError(f"{out}: transformers wrote no safetensors weights")
 
@@ -34,3 +36,14 @@ def load_pretrained_qa(directory: Path) -> tuple[Any, Any]:
     )
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     return model, tokenizer
+
+
+def _loadable_by_transformers_4(config_path: Path) -> None:
+    """transformers 5 names a generic fast tokenizer `TokenizersBackend`, a class 4.x does not have;
+    `PreTrainedTokenizerFast` is the same tokenizer under the name both versions load."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -37,6 +37,9 @@ def test_an_exported_hf_checkpoint_loads_in_transformers_and_answers_as_the_chec
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert not list(out.glob("*.bin"))  # no pickles
+    # A class name transformers 4.x knows too (5.x calls a generic fast tokenizer TokenizersBackend).
+    tokenizer_class = json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert tokenizer_class != "TokenizersBackend"
 
     checkpoint = load_checkpoint(str(run_dir))
     loaded = transformers.AutoModelForQuestionAnswering.from_pretrained(out)
