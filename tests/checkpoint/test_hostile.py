@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from elastic_qa import ckpt as inspect
+from elastic_qa.checkpoint import locate
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, serialize, step_dir_name
@@ -107,7 +108,7 @@ def test_ckpt_verify_reports_a_checkpoint_pruned_while_verifying_as_gone_not_bad
 ) -> None:
     for step in (10, 20, 30):
         store.commit(step, small_files(step), manifest_fields())
-    monkeypatch.setattr(inspect, "CheckpointStore", pruned_underfoot(step_dir_name(20), when))
+    monkeypatch.setattr(locate, "CheckpointStore", pruned_underfoot(step_dir_name(20), when))
 
     code = inspect.cmd_verify(store.url)
 
@@ -122,7 +123,7 @@ def test_ckpt_list_leaves_out_a_checkpoint_pruned_while_listing(
 ) -> None:
     for step in (10, 20):
         store.commit(step, small_files(step), manifest_fields())
-    monkeypatch.setattr(inspect, "CheckpointStore", pruned_underfoot(step_dir_name(10), "after-manifest"))
+    monkeypatch.setattr(locate, "CheckpointStore", pruned_underfoot(step_dir_name(10), "after-manifest"))
 
     assert inspect.cmd_list(store.url) == 0
 
@@ -442,12 +443,14 @@ def test_ckpt_list_and_verify_of_a_file_exit_2(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().err.count(str(a_file)) == 2
 
 
-def test_ckpt_verify_and_list_of_an_existing_empty_directory_say_so_with_exit_0(
+def test_ckpt_verify_and_list_of_an_existing_empty_directory_say_so_with_exit_2(
     tmp_path: Path, capsys
 ) -> None:
-    assert cli_main(["ckpt", "verify", str(tmp_path)]) == 0
-    assert cli_main(["ckpt", "list", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"no checkpoints in {tmp_path}"] * 2
+    assert cli_main(["ckpt", "verify", str(tmp_path)]) == 2
+    assert cli_main(["ckpt", "list", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 2
+    assert all(str(tmp_path) in line and "no checkpoints" in line for line in captured.err.splitlines())
 
 
 def break_manifest(store: CheckpointStore) -> str:
@@ -469,8 +472,8 @@ def not_a_trainer_state(store: CheckpointStore) -> str:
 
 @pytest.mark.parametrize(
     "make",
-    [break_manifest, garble_manifest, lambda store: store.root, not_a_trainer_state],
-    ids=["no-manifest", "garbled-manifest", "checkpoint-root", "not-a-trainer-state"],
+    [break_manifest, garble_manifest, not_a_trainer_state],
+    ids=["no-manifest", "garbled-manifest", "not-a-trainer-state"],
 )
 def test_ckpt_show_of_anything_but_a_valid_checkpoint_exits_2_with_one_line(
     local: CheckpointStore, capsys, make: Callable[[CheckpointStore], str]
