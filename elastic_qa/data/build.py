@@ -1,10 +1,14 @@
 """Streaming, parallel feature building: files in, `.npy` columns out, memory bounded by a few chunks.
 
-The reading process cuts the input into chunks of raw records (data.sources); worker processes validate
-each chunk and turn its examples into windows with the model family's `features` (a pure function of a
-batch of examples); the reading process drops repeated question ids and appends the windows to the
-columns in chunk order. Chunks depend on the input alone, so any number of workers gives byte-identical
-files. At most two chunks per worker are in flight: the reader never runs ahead of the writer.
+The reading process cuts the input into chunks of raw records (data.sources); each chunk is validated and
+turned into windows with the model family's `features` (a pure function of a batch of examples); the
+reading process drops repeated question ids and appends the windows to the columns in chunk order. Chunks
+depend on the input alone, so any number of workers gives byte-identical files.
+
+With N workers the reading process is one of them: it hands chunks to N-1 helper processes while they
+have room and tokenises the next one itself when they have none, so N workers keep N cores busy (not N
+helpers competing with a reader for the same cores). At most two chunks per helper are in flight, and
+results are written in chunk order: the reader never runs far ahead of the writer.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def _work_in_pool(chunk: Chunk, evaluation: bool) -> Done:
 
 
 class Workers:
-    """`work` on each chunk in order: inline (one worker, or the first few chunks) or in a process pool."""
+    """`work` on each chunk, results in chunk order: in this process, and in N-1 helpers when N > 1."""
 
     def __init__(
         self, featurizer: Any, cfg: Any, workers: int, beat: Callable[[], None] = lambda: None
@@ -107,29 +111,38 @@ class Workers:
         # alive (a fork would copy their locks mid-use), a fresh interpreter per worker.
         method = "fork" if threading.active_count() == 1 and os.name == "posix" else "spawn"
         context = multiprocessing.get_context(method)
-        self.pool = context.Pool(self.workers, _init_worker, (self.featurizer, self.cfg))
+        self.pool = context.Pool(self.workers - 1, _init_worker, (self.featurizer, self.cfg))
 
     def map(self, chunks: Iterable[Chunk], evaluation: bool) -> Iterator[Done]:
+        # In chunk order: a helper's AsyncResult, or a Done this process made itself.
         pending: collections.deque = collections.deque()
+        room = IN_FLIGHT_PER_WORKER * (self.workers - 1)
         for chunk in chunks:
             self.beat()
-            if self.pool is None and (self.workers == 1 or self.inline < INLINE_CHUNKS):
-                self.inline += 1  # small inputs never pay for starting processes
-                yield work(chunk, self.featurizer, self.cfg, evaluation)
-                continue
-            if self.pool is None:
+            if self.workers > 1 and self.inline >= INLINE_CHUNKS and self.pool is None:
                 self._start_pool()
-            pending.append(self.pool.apply_async(_work_in_pool, (chunk, evaluation)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * self.workers:
-                yield pending.popleft().get()
+            busy = sum(1 for item in pending if not isinstance(item, Done) and not item.ready())
+            if self.pool is not None and busy < room:
+                pending.append(self.pool.apply_async(_work_in_pool, (chunk, evaluation)))
+            else:  # one worker, the first few chunks (not worth a process), or every helper is busy
+                self.inline += 1
+                pending.append(work(chunk, self.featurizer, self.cfg, evaluation))
+            while pending and (isinstance(pending[0], Done) or pending[0].ready()):
+                yield _result(pending.popleft())
+            if len(pending) > room + self.workers:  # a slow chunk at the head: wait for it
+                yield _result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft())
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.terminate()  # also on error: nothing is left running
             self.pool.join()
             self.pool = None
+
+
+def _result(item: Any) -> Done:
+    return item if isinstance(item, Done) else item.get()
 
 
 def _kept(features: Features, keep: list[bool]) -> Features:
