@@ -146,9 +146,10 @@ def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], capsys: pytest.C
 
 def test_prepare(tmp_path: Path) -> None:
     result = bench(
-        tmp_path, "prepare", "--config", "tiny", "--sizes", "300", "--workers", "1", "--start-reps", "1"
+        tmp_path, "prepare", "--config", "tiny", "--sizes", "300", "--workers", "1,2", "--start-reps", "1"
     )
     size = result["sizes"]["300"]
+    assert sorted(size["workers"]) == ["1", "2"] and positive(size["parallel_ceiling"])
     assert size["questions"] == 300 and size["file_bytes"] > 0 and positive(size["first_step_s"])
     assert 0 < size["train_start_s"]["median"] <= size["first_step_s"]["median"]
     for figures in size["workers"].values():
