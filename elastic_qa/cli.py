@@ -19,6 +19,9 @@ step-N directory. Training itself: `launch/local.sh start` in a checkout (instal
 Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 """
 
+# torch and the models are imported by the commands that use them: `prepare` and `config` start in a
+# fraction of the second torch takes to import.
+
 from __future__ import annotations
 
 import argparse
@@ -27,32 +30,43 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic_qa import __version__
-from elastic_qa.checkpoint.store import CheckpointError
-from elastic_qa.config import ConfigError, resolve_config
-from elastic_qa.data.cache import prepare
+from elastic_qa.checkpoint.errors import CheckpointError
+from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.data.cache import Featurizer, prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.squad import DataError, QAExample, read_squad
-from elastic_qa.evaluate import predict
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
-from elastic_qa.export import PredictionModel, export_checkpoint, load_for_prediction
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
-from elastic_qa.models import family_for
 from elastic_qa.observe.log import configure_terminal_logging
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastic_qa.export import PredictionModel
 
 
 def _device() -> torch.device:
+    import torch
+
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _featurizer(cfg: Config) -> Featurizer | None:
+    """The model family's featurizer; None stands for the native one (data.features: no torch needed)."""
+    if cfg.model.kind == "native":
+        return None
+    from elastic_qa.models import family_for
+
+    return family_for(cfg.model)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.overrides)
     started = time.perf_counter()
-    data = prepare(cfg, family_for(cfg.model), workers=args.workers)
+    data = prepare(cfg, _featurizer(cfg), workers=args.workers)
     skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "
@@ -82,6 +96,9 @@ def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[list[
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from elastic_qa.evaluate import predict
+    from elastic_qa.export import load_for_prediction
+
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
@@ -125,6 +142,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    from elastic_qa.evaluate import predict
+    from elastic_qa.export import load_for_prediction
+
     device = _device()
     loaded = load_for_prediction(args.checkpoint, device)
     cfg = loaded.cfg
@@ -153,6 +173,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from elastic_qa.export import export_checkpoint
+
     exported = export_checkpoint(args.checkpoint, Path(args.out), force=args.force)
     print(f"exported {exported.source} ({exported.cfg.model.kind} model) to {args.out}")
     return 0

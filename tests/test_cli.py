@@ -32,6 +32,18 @@ def test_prepare_builds_the_cache_and_reports_its_size(tmp_path: Path) -> None:
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
 
 
+def test_prepare_of_the_native_model_never_imports_torch(tmp_path: Path) -> None:
+    # Preparing data is often a CPU job of its own: it should not pay the second torch takes to import.
+    code = (
+        "import sys; from elastic_qa.cli import main; "
+        f"code = main(['prepare', '--config', 'tiny', '--workers', '2', 'data.cache_dir={tmp_path}']); "
+        "print('torch' in sys.modules); sys.exit(code)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"
+
+
 def test_prepare_refuses_zero_workers_with_exit_2(tmp_path: Path) -> None:
     result = cli("prepare", "--config", "tiny", "--workers", "0", f"data.cache_dir={tmp_path}")
     assert result.returncode == 2 and "--workers" in result.stderr and "'0'" in result.stderr

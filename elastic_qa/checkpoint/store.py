@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 
+from elastic_qa.checkpoint.errors import CheckpointError, StaleWriterError
 from elastic_qa.observe.log import get_logger
 
 MANIFEST = "manifest.json"
@@ -47,14 +48,6 @@ _TMP_PREFIX = ".tmp-"
 REJECTED_DIR = "rejected"
 REJECTED_NOTE = "REJECTED.json"
 MANIFEST_FORMAT = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message says which and why."""
-
-
-class StaleWriterError(CheckpointError):
-    """A newer worker group has started: this (stale) group may not commit."""
 
 
 def step_dir_name(step: int) -> str:
