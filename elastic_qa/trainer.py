@@ -45,7 +45,7 @@ from elastic_qa.state import ResumeError, TrainState, step_seed
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
 TARGETS = ("start_positions", "end_positions", "weights")
 # Windows the start-up probe for loss-invariant parameters reads (a float64 forward and backward).
-PROBE_WINDOWS = 8
+PROBE_WINDOWS = 4
 
 
 class Trainer:
@@ -55,6 +55,10 @@ class Trainer:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         self.log = get_logger()
         self.device = ctx.device
+        # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
+        self.control_group = None
+        if ctx.distributed:
+            self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         self.family = family_for(cfg.model)
         model = self.family.build_model(cfg, data.vocab_size)
@@ -82,10 +86,6 @@ class Trainer:
             torch.amp.GradScaler("cuda") if precision == "fp16" else None,
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
         )
-        # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
-        self.control_group = None
-        if ctx.distributed:
-            self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
         self.control = ControlPlane(
             ctx.is_main,
             cfg.dist.control_period.total_seconds(),
@@ -102,12 +102,24 @@ class Trainer:
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _freeze_loss_invariant(self, model: torch.nn.Module) -> None:
-        """Freeze the parameters the span loss cannot see (models/invariance.py); the same on every rank."""
-        probe = collate(self.data.train, np.arange(min(PROBE_WINDOWS, len(self.data.train))))
-        names = loss_invariant_parameters(model, probe, self.family.span_loss_per_window)
-        freeze(model, names)
+        """Freeze the parameters the span loss cannot see (models/invariance.py), the same on every rank.
+
+        Rank 0 probes and the others take its answer: the probe's float64 copy of the model is its largest
+        cost (measured on a random bert-base: ~2.5 GB and seconds), which a node of 8 ranks should not pay
+        8 times over at every restart.
+        """
+        names = [name for name, param in model.named_parameters() if param.requires_grad]
+        flags = torch.zeros(len(names), dtype=torch.uint8)
+        if self.ctx.rank == 0:
+            probe = collate(self.data.train, np.arange(min(PROBE_WINDOWS, len(self.data.train))))
+            found = set(loss_invariant_parameters(model, probe, self.family.span_loss_per_window))
+            flags = torch.tensor([name in found for name in names], dtype=torch.uint8)
+        if self.ctx.distributed:
+            dist.broadcast(flags, src=0, group=self.control_group)
+        frozen = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
+        freeze(model, frozen)
         if self.ctx.is_main:
-            self.log.info("frozen_parameters", count=len(names), names=names)
+            self.log.info("frozen_parameters", count=len(frozen), names=frozen)
 
     def restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""

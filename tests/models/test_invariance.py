@@ -10,7 +10,7 @@ from elastic_qa.config import load_config, packaged_config
 from elastic_qa.data import synthetic
 from elastic_qa.data.loader import collate
 from elastic_qa.models import family_for
-from elastic_qa.models.invariance import freeze, loss_invariant_parameters
+from elastic_qa.models.invariance import PROBE_TOKENS, _first_tokens, freeze, loss_invariant_parameters
 from elastic_qa.optim import build_optimizer, decay_groups
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -102,3 +102,20 @@ def test_native_weight_decay_groups_are_the_ones_its_parameter_names_gave():
         if p.ndim >= 2 and not any(k in n for k in ("tokens", "segments", "in_question"))
     ]
     assert [id(p) for p in decay] == [id(p) for p in by_name]
+
+
+def test_the_probe_reads_only_the_first_tokens_and_finds_the_same_set_on_long_windows(hf_models):
+    # 128-token windows: the probe cuts them to PROBE_TOKENS; an answer beyond the cut becomes "no answer"
+    model, batch, loss = model_and_batch(
+        f"model.name_or_path={hf_models['bert']}", "data.max_seq_len=128", "data.doc_stride=32"
+    )
+    assert batch["input_ids"].shape[1] > PROBE_TOKENS
+    cut = _first_tokens(batch, PROBE_TOKENS)
+    assert cut["input_ids"].shape[1] == PROBE_TOKENS and cut["attention_mask"].shape[1] == PROBE_TOKENS
+    beyond = (batch["start_positions"] >= PROBE_TOKENS) | (batch["end_positions"] >= PROBE_TOKENS)
+    assert torch.equal(cut["start_positions"][beyond], torch.zeros(int(beyond.sum()), dtype=torch.long))
+    kept = ~beyond
+    assert beyond.any() and kept.any()  # both cases occur in these windows
+    assert torch.equal(cut["start_positions"][kept], batch["start_positions"][kept])
+    found = set(loss_invariant_parameters(model, batch, loss))
+    assert "model.qa_outputs.bias" in found and len(found) == 4
