@@ -16,6 +16,10 @@ import pytest
 
 from elastic_qa.bench import gpu_check
 from elastic_qa.bench.cli import main as bench
+from elastic_qa.bench.gpu_evidence import Checks, scaler_restored
+from elastic_qa.chaos.evidence import checkpoint_store
+from elastic_qa.checkpoint.manager import Checkpointer
+from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.launcher.processes import python_env
 
 
@@ -72,3 +76,36 @@ def test_a_kill_that_cannot_test_a_resume_is_refused(
 ) -> None:
     assert bench(["gpu", "--cpu", *argv, "--work-dir", str(tmp_path)]) == 2
     assert complaint in capsys.readouterr().err
+
+
+SAVED_SCALER = {
+    "scale": 32768.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "_growth_tracker": 37,
+}
+
+
+@pytest.mark.parametrize(
+    ("restored", "passed"),
+    [
+        (SAVED_SCALER, True),
+        ({**SAVED_SCALER, "_growth_tracker": 0}, False),  # a fresh scaler's count
+        (None, False),  # the resume event carried no scaler state
+    ],
+    ids=["restored", "growth-count-lost", "not-logged"],
+)
+def test_the_fp16_check_compares_the_new_workers_grad_scaler_with_the_resumed_checkpoints(
+    tiny_config, restored: dict | None, passed: bool
+) -> None:
+    cfg = tiny_config()
+    trainer = {"grad_scaler": SAVED_SCALER, "config": cfg.to_dict()}
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_store(cfg))
+    checkpointer.save(40, {MODEL_FILE: {}, OPTIMIZER_FILE: {}, TRAINER_FILE: trainer}, {}, blocking=True)
+    check = Checks()
+
+    figures = scaler_restored(cfg, 40, restored, check)
+
+    assert figures["grad_scaler_saved"] == SAVED_SCALER
+    assert [row["ok"] for row in check.rows] == [True, passed]

@@ -173,7 +173,8 @@ def test_on_cuda_the_previous_steps_queued_kernels_are_not_timed_as_the_next_ste
     run_step(timer, clock, 2, single(), log, data=0.01, compute=0.01)
 
     (row,) = log.named("step_breakdown")
-    assert row["data_s"] == pytest.approx(0.01) and row["data_share"] < 0.10
+    assert row["data_s"] == pytest.approx(0.01)  # not 0.09: the queued kernels are not data wait
+    assert row["forward_backward_s"] == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize(
