@@ -14,7 +14,7 @@ back in the new worker.
 Without CUDA (or with --cpu) the same runs on gloo and the CPU, fp16 is left out, and the output says that
 CUDA was not tested. Cases: native-bf16 (--config, default `default`), hf-bf16 (a tiny random BERT through
 the hf-tiny config, or --hf-model), native-fp16. Exit codes: 0 every check passed, 1 a check or a run
-failed (each named), 2 bad arguments.
+failed (each named), 2 bad arguments or a missing package.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu", action="store_true", help="gloo on the CPU even where CUDA is available (CUDA not tested)"
     )
     parser.add_argument("--steps", type=positive_int, default=300, help="steps per case (default 300)")
-    parser.add_argument("--kill-at", type=positive_int, default=120, help="kill once this step is logged")
-    parser.add_argument("--checkpoint-every", type=positive_int, default=40, help="async save every N steps")
+    parser.add_argument("--kill-at", type=positive_int, default=120, help="kill after this step (120)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=40, help="save every N steps (40)")
     parser.add_argument("--log-every", type=positive_int, default=10, help="log.every_steps (default 10)")
     parser.add_argument("--hf-model", type=Path, help="QA model directory for hf-bf16 (default: tiny random)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per case (default 150)")

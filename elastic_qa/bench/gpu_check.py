@@ -49,6 +49,13 @@ def archive_logs(work: Path, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     absent = missing_packages()
+    if "torch" in absent:
+        print(
+            f"gpu-check: {sys.executable} cannot import torch: run this with the Python that has the CUDA "
+            "build of torch (make gpu-check GPU_PYTHON=/path/to/python)",
+            file=sys.stderr,
+        )
+        return 2
     if absent:
         print(
             f"gpu-check: missing Python packages: {', '.join(absent)}. Install them into the Python that "
