@@ -93,7 +93,8 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
         scaler = scaler_restored(cfg, resumed, resume[0].get("grad_scaler"), check)
     new_steps = of(new, "step")
     stall = [e["blocking_seconds"] for e in commits]
-    memory = [e["peak_memory_mb"] for e in of(events, "step_breakdown") if "peak_memory_mb" in e]
+    breakdowns = of(events, "step_breakdown")
+    memory = [e["peak_memory_mb"] for e in breakdowns if "peak_memory_mb" in e]
     return {
         "steps_per_s_before_kill": steps_per_s(of(old, "step")),
         "steps_per_s_after_resume": steps_per_s(new_steps),
@@ -102,6 +103,9 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
         "async_save_total_ms": summary_ms([e["seconds"] for e in commits]),
         "saves_that_waited_for_the_previous": len(of(events, "checkpoint_wait")),
         "peak_memory_mb": max(memory) if memory else None,
+        # Where the step time goes, as rank 0's step_breakdown events say (medians over the run).
+        "data_share": _median([e["data_share"] for e in breakdowns if "data_share" in e]),
+        "comm_share": _median([e["comm_share"] for e in breakdowns if "comm_share" in e]),
         "resumed_step": resumed,
         "killed_worker_reached_step": reached,
         "steps_trained_again": reached - resumed if reached is not None and resumed is not None else None,
@@ -126,6 +130,10 @@ def scaler_restored(cfg: Any, step: int, restored: Any, check: Checks) -> dict[s
     same = isinstance(restored, dict) and all(restored.get(k) == saved.get(k) for k in keys)
     check("the new worker's GradScaler state is the saved one", same, f"saved {saved}, restored {restored}")
     return {"grad_scaler_saved": saved, "grad_scaler_restored": restored}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def summary_ms(seconds: list[float]) -> dict[str, Any] | None:

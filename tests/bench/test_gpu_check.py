@@ -50,6 +50,7 @@ def test_the_cpu_mode_kills_the_worker_resumes_from_a_checkpoint_and_passes_ever
     assert case["async_saves"] >= 3 and 0 < case["async_stall_ms"]["median"] <= case["async_stall_ms"]["max"]
     assert case["kill_to_first_step_s"] > case["kill_to_worker_start_s"] > 0
     assert 0 <= case["em"] <= 1 and 0 <= case["f1"] <= 1
+    assert 0 <= case["data_share"] <= 1 and 0 <= case["comm_share"] <= 1
     with tarfile.open(out / "gpu-check-logs.tar.gz") as archive:
         names = archive.getnames()
     assert any("native-bf16/logs/rank-000" in name for name in names)
