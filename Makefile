@@ -1,6 +1,7 @@
-# The two commands of the README. Both create .venv and install what they need on a fresh clone.
+# The commands of the README. run and test create .venv and install what they need on a fresh clone.
 #   make run    train the default config with two elastic torchrun agents on this host, print EM/F1
 #   make test   ruff + the test suite (unit and real-torchrun integration tests)
+#   make gpu-check  on a machine with one GPU: nccl, bf16/fp16, a killed worker resumed; figures and checks
 # Bring your own torch (e.g. a CUDA build): install it into .venv first, or set TORCH_SPEC.
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: run test test-long lint install dev clean
+.PHONY: run test test-long gpu-check lint install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,13 @@ test: lint
 # The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.
 test-long: $(VENV)/.dev
 	$(BIN)/python -m pytest -q -m long $(ARGS)
+
+# No venv of its own: it runs on the Python that has the CUDA build of torch (.venv's when there is one,
+# else $(PYTHON); GPU_PYTHON=... to choose), with this checkout first on the path. $OUT, when set, gets the
+# figures (gpu-check.json) and the runs' logs.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m elastic_qa.bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_qa.config import DistConfig
+from elastic_qa.config import ConfigError, DistConfig
 
 
 @dataclass
@@ -66,6 +66,15 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # Both would otherwise fail deep in torch, in every worker torchrun restarts: bad input, said once.
+    if backend == "nccl" and not cuda and launched_by_torchrun():
+        raise ConfigError("dist.backend=nccl needs a CUDA device and torch sees none; use gloo or auto")
+    if cuda and local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"this worker is local rank {local_rank} but torch sees {torch.cuda.device_count()} CUDA "
+            "device(s) on this host: start at most one worker per GPU (--nproc-per-node), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on the CPU"
+        )
     device = torch.device("cpu")
     if cuda:
         # Bind before any CUDA work, or every process piles onto GPU 0.

@@ -48,6 +48,19 @@ TARGETS = ("start_positions", "end_positions", "weights")
 PROBE_WINDOWS = 4
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `train.precision` on `device` (None: fp32); ConfigError where it cannot run."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); on CPU use train.precision=bf16")
+    # autocast would refuse at the first step, in every worker torchrun restarts: say it once, at start-up.
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision=bf16: {torch.cuda.get_device_name(device)} cannot compute in bf16; "
+            "use train.precision=fp16 or fp32"
+        )
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
 class Trainer:
     def __init__(
         self, cfg: Config, ctx: DistContext, data: PreparedData, stop_request: StopRequest | None = None
@@ -73,9 +86,7 @@ class Trainer:
         self.comm_timer = CommTimer()
         self.model = wrap_model(model, ctx, cfg.dist, self.comm_timer)
         precision = cfg.train.precision
-        if precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); on CPU use train.precision=bf16")
-        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.autocast_dtype = autocast_dtype(precision, self.device)
         optimizer = build_optimizer(model, cfg)
         self.state = TrainState(
             cfg,
@@ -145,6 +156,8 @@ class Trainer:
             world_size=self.ctx.world_size,
             epoch=state.cursor.epoch,
             cursor=state.cursor.samples_consumed,
+            # fp16: the loss scale and its growth count as restored (a fresh scaler would start over).
+            **({"grad_scaler": state.scaler.state_dict()} if state.scaler else {}),
         )
 
     # ---- the loop -----------------------------------------------------------------------------------

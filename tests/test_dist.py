@@ -1,4 +1,5 @@
-"""How a worker process ends: without interpreter finalisation, but losing nothing a normal exit keeps."""
+"""Joining a process group: bad input refused before any is formed; how a worker process ends: without
+interpreter finalisation, but losing nothing a normal exit keeps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_qa.config import ConfigError, DistConfig
+from elastic_qa.dist import init_distributed
 
 SCRIPT = textwrap.dedent(
     """
@@ -38,3 +46,25 @@ def test_exit_process_waits_for_threads_runs_atexit_flushes_and_keeps_the_code(t
     assert (tmp_path / "thread-finished").read_text() == "yes"
     assert (tmp_path / "atexit-ran").read_text() == "yes"
     assert not (tmp_path / "after-exit").exists()
+
+
+def test_nccl_without_a_cuda_device_is_bad_input_before_any_process_group(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    with pytest.raises(ConfigError, match=r"dist\.backend=nccl needs a CUDA device"):
+        init_distributed(DistConfig(backend="nccl"))
+    assert not dist.is_initialized()
+
+
+def test_more_workers_on_a_host_than_gpus_is_bad_input_before_any_device_is_bound(monkeypatch) -> None:
+    bound: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+
+    with pytest.raises(ConfigError, match="local rank 1 but torch sees 1 CUDA device"):
+        init_distributed(DistConfig())
+    assert bound == [] and not dist.is_initialized()

@@ -154,3 +154,23 @@ def test_an_unchanged_config_resumes_the_schedule_exactly() -> None:
     files = trained_state(10).state_dict({}, attempt=1)
     state = trained_state(20, state=resumed(files, 10))
     assert lr_of(state) == lr_of(uninterrupted)
+
+
+def test_the_grad_scalers_loss_scale_and_growth_count_come_back_on_resume() -> None:
+    """fp16 trains with a GradScaler; a fresh one would restart its scale and growth count."""
+    saved = fresh_state()
+    saved.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    for _ in range(4):  # one growth (x2 after 3 finite steps), then one step towards the next
+        saved.scaler.scale(saved.model(torch.randn(16, 4)).pow(2).sum()).backward()
+        saved.scaler.step(saved.optimizer)
+        saved.scaler.update()
+        saved.optimizer.zero_grad()
+    files = saved.state_dict({}, attempt=1)
+    check_safe(files)
+    restored = fresh_state(seed=1)
+    restored.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    restored.load_state_dict(as_loaded(files, 4))
+
+    assert files[TRAINER_FILE]["grad_scaler"]["scale"] == 2048.0
+    assert restored.scaler.state_dict() == saved.scaler.state_dict()
+    assert restored.scaler.state_dict()["_growth_tracker"] == 1

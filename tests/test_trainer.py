@@ -13,9 +13,10 @@ import torch
 
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.checkpoint.store import CheckpointStore
-from elastic_qa.config import load_config, packaged_config
+from elastic_qa.config import ConfigError, load_config, packaged_config
 from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
+from elastic_qa.trainer import autocast_dtype
 from tests.conftest import tiny_overrides
 
 STEPS = 40
@@ -112,3 +113,18 @@ def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
     assert multiplier(9) == pytest.approx(1.0)
     assert multiplier(60) == pytest.approx(0.55)
     assert multiplier(110) == pytest.approx(0.1)
+
+
+def test_each_precision_has_its_autocast_dtype_and_fp16_needs_cuda() -> None:
+    cpu = torch.device("cpu")
+    assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) is torch.bfloat16
+    with pytest.raises(ConfigError, match=r"train\.precision=fp16 needs CUDA"):
+        autocast_dtype("fp16", cpu)
+
+
+def test_bf16_on_a_gpu_without_bf16_is_refused_at_start_up_naming_the_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla K80")
+
+    with pytest.raises(ConfigError, match=r"train\.precision=bf16: Tesla K80 cannot compute in bf16"):
+        autocast_dtype("bf16", torch.device("cuda", 0))

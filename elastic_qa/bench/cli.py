@@ -27,6 +27,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
     prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
+    gpu          one GPU: nccl, bf16/fp16, async saves, a killed worker resumed; checks pass or fail
 
 Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
 take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
@@ -35,7 +36,7 @@ run failed, 2 bad arguments.
 `elastic-qa bench NAME --help` for the options of one.
 """
 
-BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift", "prepare")
+BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift", "prepare", "gpu")
 
 
 def main(argv: list[str]) -> int:

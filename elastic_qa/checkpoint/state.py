@@ -33,7 +33,11 @@ def versions() -> dict[str, str]:
 
 
 def cpu_copy(obj: Any) -> Any:
-    """Deep copy with every tensor cloned to (pinned when on GPU) CPU memory: the only training stall."""
+    """Deep copy with every tensor cloned to CPU memory: the only training stall.
+
+    GPU tensors are copied synchronously (each copy waits for the kernels that produce the tensor): the
+    background writer must never read a copy still in flight.
+    """
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu":
             return obj.detach().clone()

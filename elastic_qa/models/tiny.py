@@ -46,7 +46,7 @@ def _wordpiece(texts: list[str], vocab_size: int):
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True, handle_chinese_chars=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -69,6 +69,7 @@ def _byte_bpe(texts: list[str], vocab_size: int):
         vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.post_processor = processors.RobertaProcessing(
@@ -83,7 +84,10 @@ def _byte_bpe(texts: list[str], vocab_size: int):
 def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (), seed: int = 0) -> Path:
     """Write a tiny random QA model of `style` and its tokenizer into `directory` (save_pretrained)."""
     import torch
+    import transformers
     from transformers import AutoModelForQuestionAnswering, BertConfig, PreTrainedTokenizerFast, RobertaConfig
+
+    transformers.utils.logging.disable_progress_bar()  # a bar per save is noise in a script's output
 
     if style not in STYLES:
         raise ValueError(f"style {style!r}: must be one of {', '.join(STYLES)}")

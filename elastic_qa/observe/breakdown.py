@@ -47,6 +47,10 @@ class StepTimer:
     def start_step(self, step: int) -> None:
         self.step = step
         self._detailed = self.device.type != "cuda" or bool(self.every and step % self.every == 0)
+        if self._detailed and self.device.type == "cuda":
+            # The CPU runs ahead of the GPU: without this, the previous step's queued kernels would be
+            # timed as this step's data wait (and could read as a data-bound run).
+            torch.cuda.synchronize(self.device)
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:

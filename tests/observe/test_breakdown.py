@@ -153,6 +153,30 @@ def test_a_checkpoint_stall_is_reported_per_step_of_its_window(monkeypatch) -> N
     assert [r["checkpoint_stall_s"] for r in log.named("step_breakdown")] == pytest.approx([0.002, 0.0])
 
 
+def test_on_cuda_the_previous_steps_queued_kernels_are_not_timed_as_the_next_steps_data_wait(
+    monkeypatch,
+) -> None:
+    """The CPU runs ahead of the GPU; a reporting step must start from an idle GPU. The fake device holds
+    the seconds of queued work that a synchronize waits for."""
+    clock = use_clock(monkeypatch)
+    queued = {"seconds": 0.0}
+
+    def synchronize(device=None) -> None:
+        clock.advance(queued["seconds"])
+        queued["seconds"] = 0.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    timer, log = StepTimer(torch.device("cuda", 0), 2, CommTimer()), Recorder()
+    run_step(timer, clock, 1, single(), log, compute=0.01)  # not a reporting step: never synchronised
+    queued["seconds"] = 0.08  # its kernels are still running when step 2 starts
+    run_step(timer, clock, 2, single(), log, data=0.01, compute=0.01)
+
+    (row,) = log.named("step_breakdown")
+    assert row["data_s"] == pytest.approx(0.01)  # not 0.09: the queued kernels are not data wait
+    assert row["forward_backward_s"] == pytest.approx(0.01)
+
+
 @pytest.mark.parametrize(
     ("phases", "expected"),
     [
