@@ -47,11 +47,10 @@ from elastic_qa.launcher.terminal import (
 )
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
-from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 
-CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
 LOOPBACK = "127.0.0.1"
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
 ON_LOOPBACK = "elastic_qa.launcher.loopback"
@@ -271,7 +270,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
 
-    monitor = JobMonitor(run_dir, started_at, view, CRASH_LOOP_ATTEMPTS, crash_loop)
+    monitor = JobMonitor(run_dir, started_at, view, crash_loop)
     monitor.start()
     codes = {index: process.wait() for index, process in enumerate(started)}
     # Agents added later by `join` are not our children: wait for them too.

@@ -44,13 +44,12 @@ from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.launcher.netplan import NetworkPlan, parse_endpoint, plan_network
 from elastic_qa.launcher.processes import python_env
 from elastic_qa.launcher.rendezvous import LAST_CALL_TIMEOUT_S, MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
-from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, CrashLoopDetector, LogFollower
 from elastic_qa.observe.log import NODE_ENV, file_safe
 
 DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 WORKER_MODULE = "elastic_qa.train"
 PR_SET_PDEATHSIG = 1
-CRASH_LOOP_ATTEMPTS = 3  # as the local launcher: attempts in a row failing with one error, none training
 STORE_PROBE_TIMEOUT_S = 2.0
 
 
@@ -135,11 +134,11 @@ def watch_for_crash_loop(
 ) -> None:
     """Stop this host's agent when attempts keep failing the same way without training a step.
 
-    Only events from `since` on count: a run directory run again still holds the errors of earlier runs
-    (a crash loop that was fixed since), which must not stop this one."""
-    follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
+    Only events from `since` on count (LogFollower): a run directory run again still holds the errors of
+    earlier runs (a crash loop that was fixed since), which must not stop this one."""
+    follower, detector = LogFollower(run_dir / "logs", since=since), CrashLoopDetector()
     while agent.poll() is None:
-        detector.feed([event for event in follower.new_events() if event.get("ts", since) >= since])
+        detector.feed(follower.new_events())
         verdict = detector.verdict()
         if verdict:
             crash.update(error=verdict[0], bad_input=verdict[1])
