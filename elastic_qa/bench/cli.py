@@ -1,15 +1,18 @@
 """`elastic-qa bench NAME [options]`: the benchmarks, one module each (USAGE is what users see).
 
 A benchmark module provides build_parser() and run(args, work_dir) -> dict (its JSON); this file handles
-argument errors, the work directory, logging of in-process work and the JSON file.
+argument errors, the work directory, logging of in-process work, the JSON file, and being stopped: SIGTERM
+unwinds like Ctrl-C, so that every benchmark ends the jobs it started on its way out (exit 130 or 143).
 """
 
 from __future__ import annotations
 
 import importlib
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import structlog
@@ -32,7 +35,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README
 Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
 take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
 deterministic: one run per world size). Exit codes: 0 done (whether or not a goal was met), 1 a measured
-run failed, 2 bad arguments.
+run failed, 2 bad arguments, 130/143 stopped by Ctrl-C/SIGTERM (the runs it had started are stopped too).
 `elastic-qa bench NAME --help` for the options of one.
 """
 
@@ -70,6 +73,14 @@ def main(argv: list[str]) -> int:
     previous = structlog.get_config()
     configure_logging(work / "bench-logs", "info")
     keep = args.work_dir is not None
+    stopped_by: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt  # the unwinding of Ctrl-C: each benchmark's `finally` ends its runs
+
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous_term = signal.signal(signal.SIGTERM, stop) if in_main else None
     try:
         result = module.run(args, work.resolve())
         if args.json:
@@ -86,7 +97,17 @@ def main(argv: list[str]) -> int:
         keep = True  # the failed run's output is in there
         print(f"elastic-qa bench {name}: {err} (work dir kept: {work})", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        signum = stopped_by[0] if stopped_by else signal.SIGINT
+        print(
+            f"elastic-qa bench {name}: stopped by {signal.Signals(signum).name}; the runs it started are "
+            "stopped",
+            file=sys.stderr,
+        )
+        return 128 + signum
     finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         structlog.configure(**previous)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -44,8 +44,9 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import worker_env
+from elastic_qa.bench.runs import STOP_GRACE_S, worker_env
 from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.launcher.processes import end_process, tied_to_this_process
 from elastic_qa.observe.follow import LogFollower
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -126,15 +127,22 @@ def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as out:
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=worker_env(),
+            preexec_fn=tied_to_this_process(),
+        )
         peak = 0
-        while process.poll() is None:
-            peak = max(peak, tree_rss(process.pid))
-            if time.perf_counter() - started > timeout:
-                process.kill()
-                process.wait()
-                raise BenchError(f"{command[3]} ran past {timeout:.0f} s (output: {log})")
-            time.sleep(SAMPLE_S)
+        try:
+            while process.poll() is None:
+                peak = max(peak, tree_rss(process.pid))
+                if time.perf_counter() - started > timeout:
+                    raise BenchError(f"{command[3]} ran past {timeout:.0f} s (output: {log})")
+                time.sleep(SAMPLE_S)
+        finally:
+            end_process(process, STOP_GRACE_S)  # done, timed out or interrupted: it stops with the bench
         seconds = time.perf_counter() - started
     if process.returncode != 0:
         raise BenchError(f"exit {process.returncode} (output: {log})")
@@ -149,7 +157,13 @@ def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[flo
     output = run_dir / "output.log"
     with open(output, "wb") as out:
         started = time.time()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=worker_env(),
+            preexec_fn=tied_to_this_process(),
+        )
         try:
             follower = LogFollower(run_dir / "logs")
             seen: list[dict[str, Any]] = []

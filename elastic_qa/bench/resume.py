@@ -36,6 +36,7 @@ from elastic_qa.bench.runs import bench_config, events_of, run_logged, worker_en
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
+from elastic_qa.launcher.processes import tied_to_this_process
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
 
@@ -91,7 +92,13 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
     output = run_dir / "output.log"
     with open(output, "wb") as out:
         started = time.time()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=worker_env(),
+            preexec_fn=tied_to_this_process(),
+        )
         try:
             follower = LogFollower(run_dir / "logs")  # reads only what is new at each poll
             while not (steps := [e for e in follower.new_events() if e.get("event") == "step"]):

@@ -1,7 +1,9 @@
 """Running real training processes for the benchmarks and reading back what they logged.
 
 The product is measured from its own logs (rank 0's `step` events carry `ts`), never by wrapping it, so the
-benchmark adds nothing to the loop it measures.
+benchmark adds nothing to the loop it measures. Every process a benchmark starts is tied to it
+(launcher.processes.tied_to_this_process) and ended when it stops, however it stops: an interrupted
+benchmark leaves nothing training.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
+from elastic_qa.launcher.processes import end_process, tied_to_this_process
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 NO_CHECKPOINTS = "checkpoint.interval=1000h"  # the final checkpoint still happens, after the last step
+# How long a run told to stop (SIGTERM) may take before it is killed: torchrun gives its workers 30 s.
+STOP_GRACE_S = 40.0
 
 
 def bench_config(name: str, overrides: list[str]) -> Config:
@@ -69,15 +74,24 @@ def run_logged(
     name: str, command: list[str], log_path: Path, env: dict[str, str], timeout: float, check: bool = True
 ) -> None:
     """Run to completion with all output in `log_path`; a failure (a non-zero exit when `check`, or a
-    timeout) names its last line and the log."""
+    timeout) names its last line and the log. Stopped any other way (Ctrl-C, SIGTERM), the run is told to
+    stop before this returns: a torchrun stops its workers first (a SIGKILL would orphan them)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            preexec_fn=tied_to_this_process(),
+        )
         try:
-            code = subprocess.run(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False, cwd=REPO
-            ).returncode
+            code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise BenchError(f"{name} did not finish within {timeout:.0f} s (output: {log_path})") from None
+        finally:
+            end_process(process, STOP_GRACE_S)
     if check and code != 0:
         lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
         raise BenchError(f"{name} exited with {code}: {lines[-1] if lines else ''} (output: {log_path})")

@@ -7,7 +7,8 @@ It takes the product's command line (--config and overrides; only run.dir and di
 the process group (gloo) and loops: all-reduce a small tensor, sleep a little, append a JSON line (event
 `step`, ts, restart count) to <run.dir>/logs/, the same place and shape as the product's step events. A dead
 peer fails the all-reduce, the process exits non-zero and the agents regroup, as for the product, but with
-nothing to load or restore.
+nothing to load or restore. Like the product (elastic_qa.elastic.watchdog), it leaves once its agent is gone
+(its parent changed), rather than all-reducing on for ever with the orphans of the other agents.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_qa.config import resolve_config
+from elastic_qa.exits import EXIT_AGENT_LOST
 from elastic_qa.observe.log import node_name
 
 SLEEP_S = 0.02
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="default")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    agent = os.getppid()
     cfg = resolve_config(args.config, args.overrides)
     dist.init_process_group("gloo", timeout=cfg.dist.timeout)
     identity = {
@@ -53,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         emit("worker_start")
         tensor = torch.ones(4)
         step = 0
-        while True:
+        while os.getppid() == agent:
             dist.all_reduce(tensor)
             tensor.fill_(1.0)
             step += 1
             emit("step", step=step)
             time.sleep(SLEEP_S)
+        emit("agent_lost")
+        return EXIT_AGENT_LOST
 
 
 if __name__ == "__main__":

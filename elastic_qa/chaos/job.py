@@ -3,21 +3,29 @@
 Used by the fault runner, the recovery benchmark and the integration tests: start a job with N agents
 (`python -m elastic_qa.launcher.local`, as a subprocess), add one, find an agent's workers, send signals,
 and follow the job's progress from its logs.
+
+A job never outlives whoever drives it: the launcher is tied to this process (it gets SIGTERM when this
+process dies, even by SIGKILL, and stops its agents, which stop their workers), and `kill_everything`
+ends the whole tree at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from elastic_qa.launcher.processes import alive, children, python_env
+from elastic_qa.launcher.processes import (
+    alive,
+    children,
+    cmdline,
+    kill_trees,
+    python_env,
+    tied_to_this_process,
+)
 from elastic_qa.observe.follow import LogFollower
 
 LAUNCHER = "elastic_qa.launcher.local"
@@ -71,6 +79,7 @@ class Job:
             stdout=out,
             stderr=subprocess.STDOUT,
             env=python_env(),
+            preexec_fn=tied_to_this_process(),
         )
         deadline = time.monotonic() + 60
         while not (self.run_dir / "launch.json").exists():
@@ -89,13 +98,15 @@ class Job:
             raise
 
     def kill_everything(self) -> None:
-        """Last resort (test teardown): SIGKILL every agent and worker of the job."""
-        for agent in self.agents():
-            for pid in [*children(agent["pid"]), agent["pid"]]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.process and self.process.poll() is None:
-            self.process.kill()
+        """Last resort (test teardown, an interrupted benchmark): SIGKILL the launcher, every agent (those
+        `join` added too, which are not the launcher's children) and every process under them."""
+        # An agent's pid is only trusted while its command line names this run (pids are reused).
+        agents = [
+            a["pid"] for a in self.agents() if any(str(self.run_dir) in arg for arg in cmdline(a["pid"]))
+        ]
+        launcher = [self.process.pid] if self.process and self.process.poll() is None else []
+        kill_trees([*launcher, *agents])
+        if self.process:
             self.process.wait()
 
     # ---- processes ----------------------------------------------------------------------------------

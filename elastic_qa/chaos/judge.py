@@ -130,6 +130,16 @@ def judge_faults(
             # the main job's was left to fence, so no restart. The second job is still judged.
             row["note"] = "the main job had committed its final step before the second job registered"
             _judge_second_job(row, fault, ev)
+        elif (
+            fault["fault"] == "join-node" and (ended := _ended_before_admission(fault, runs, ev)) is not None
+        ):
+            # Admitting a joiner takes a regroup; a job that finished first had none to make. The fault
+            # could not act: skipped, like one injected too late, not a recovery that failed.
+            row.update(
+                verdict="skipped",
+                note=f"job ended first: it completed its last step {ended - fault['ts']:.1f} s after the "
+                "agent joined, before any new group admitted it",
+            )
         elif restarts_group(fault["fault"], duration, ev.dist_timeout_s, ev.final_retry_s):
             _judge_restart(row, fault, runs, claimed, ev)
         else:
@@ -171,6 +181,20 @@ def _finished_before(fault: dict, ev: Evidence) -> bool:
         )
         for e in ev.events
     )
+
+
+def _ended_before_admission(fault: dict, runs: list[dict], ev: Evidence) -> float | None:
+    """When the main job completed (its train_done, or its final commit) if no group started after the
+    fault, else None."""
+    if any(a["start"] > fault["ts"] for a in runs):
+        return None
+    ends = [
+        e["ts"]
+        for e in ev.events
+        if e.get("event") == "train_done"
+        or (e.get("event") == "checkpoint_committed" and ev.max_steps and e.get("step") == ev.max_steps)
+    ]
+    return min(ends, default=None)
 
 
 def _judge_restart(row: dict, fault: dict, runs: list[dict], claimed: set[int], ev: Evidence) -> None:

@@ -26,7 +26,8 @@ Checks (exit code 0 only when all hold):
      newer attempt's replay;
    - second-job: the main group was fenced and restarted past the second job's attempt, and the second
      job ended fenced (exit 1), done (exit 0, judged by 4) or stopped by the runner, never otherwise;
-6. every requested fault was injected (a skipped one is listed with the reason);
+6. every requested fault was injected and could act (a skipped one is listed with the reason: the runner
+   found no target, or the job ended first, e.g. before a joining agent was admitted);
 7. the outcome matches a fault-free reference run: bitwise when every attempt ran at the reference's world
    size, else within 1e-4 relative (runs up to 500 steps), else eval loss within 1% and EM/F1 within 1 point.
 """
@@ -227,9 +228,10 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
     )
     verdict.faults = judge_faults(events, faults, evidence.dist_timeout_s, evidence)
 
+    # Skipped: faults the runner could not inject, and those the job ended before they could act.
     requested = requested_faults(run_dir, faults)
-    injected = sum(1 for f in faults if not f.get("skipped"))
-    skipped = [f"{f['fault']}: {f['skipped']}" for f in faults if f.get("skipped")]
+    injected = sum(1 for row in verdict.faults if row["verdict"] != "skipped")
+    skipped = [f"{row['fault']}: {row['note']}" for row in verdict.faults if row["verdict"] == "skipped"]
     verdict.add(
         "faults_injected",
         injected >= requested,

@@ -9,6 +9,7 @@ its own log file under <run.dir>/agents/, with the settings of `elastic_qa.launc
 one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
 <run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line in
 <run.dir>/agents/launch.jsonl; the terminal gets the job's progress and sentences (launcher/terminal.py).
+The agents `start` launches are tied to it: if it dies, however it dies, they get SIGTERM and stop.
 
 Every agent is on this host, so everything the job listens on is kept on loopback (see `loopback_env`
 and elastic_qa.launcher.loopback). With run.private=true the launcher, its agents and their workers
@@ -34,7 +35,7 @@ from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
-from elastic_qa.launcher.processes import alive, python_env
+from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S, rdzv_conf
 from elastic_qa.launcher.terminal import (
     DEFAULT_PROG,
@@ -47,11 +48,10 @@ from elastic_qa.launcher.terminal import (
 )
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
-from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 
-CRASH_LOOP_ATTEMPTS = 3  # attempts in a row failing with the same error, none training a step
 LOOPBACK = "127.0.0.1"
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
 ON_LOOPBACK = "elastic_qa.launcher.loopback"
@@ -135,7 +135,9 @@ def use_private_umask(private: bool) -> None:
         os.umask(PRIVATE_UMASK)
 
 
-def start_agent(run_dir: Path, job: dict) -> subprocess.Popen:
+def start_agent(run_dir: Path, job: dict, tied: bool = False) -> subprocess.Popen:
+    """One more agent of the job. `tied`: the agent gets SIGTERM (it stops its workers, which save) when
+    this process dies, however it dies; `start` ties its own, `join` exits at once and cannot."""
     index = len(job["agents"])
     is_host = index == 0
     log_path = run_dir / "agents" / f"agent-{index}.log"
@@ -155,6 +157,7 @@ def start_agent(run_dir: Path, job: dict) -> subprocess.Popen:
         stderr=handle,
         env=env,
         start_new_session=True,  # Ctrl-C reaches the launcher, which stops agents in order
+        preexec_fn=tied_to_this_process() if tied else None,
     )
     agent = {
         "index": index,
@@ -255,7 +258,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         for _ in range(args.agents):
             if stops:  # stopped while starting: the agents started so far were told to stop
                 break
-            started.append(start_agent(run_dir, job))
+            started.append(start_agent(run_dir, job, tied=True))
     except BaseException:
         for process in started:  # never leave agents of a half-started job behind
             process.kill()
@@ -271,7 +274,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
 
-    monitor = JobMonitor(run_dir, started_at, view, CRASH_LOOP_ATTEMPTS, crash_loop)
+    monitor = JobMonitor(run_dir, started_at, view, crash_loop)
     monitor.start()
     codes = {index: process.wait() for index, process in enumerate(started)}
     # Agents added later by `join` are not our children: wait for them too.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -42,15 +41,13 @@ from pathlib import Path
 
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.launcher.netplan import NetworkPlan, parse_endpoint, plan_network
-from elastic_qa.launcher.processes import python_env
+from elastic_qa.launcher.processes import python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import LAST_CALL_TIMEOUT_S, MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
-from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
+from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, CrashLoopDetector, LogFollower
 from elastic_qa.observe.log import NODE_ENV, file_safe
 
 DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 WORKER_MODULE = "elastic_qa.train"
-PR_SET_PDEATHSIG = 1
-CRASH_LOOP_ATTEMPTS = 3  # as the local launcher: attempts in a row failing with one error, none training
 STORE_PROBE_TIMEOUT_S = 2.0
 
 
@@ -115,12 +112,6 @@ def torchrun_command(args: argparse.Namespace, plan: NetworkPlan, rdzv_id: str) 
     ]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when this launcher dies, so an agent is never left behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 def store_answers(host: str, port: int) -> bool:
     """Whether something accepts connections at the c10d endpoint."""
     try:
@@ -135,11 +126,11 @@ def watch_for_crash_loop(
 ) -> None:
     """Stop this host's agent when attempts keep failing the same way without training a step.
 
-    Only events from `since` on count: a run directory run again still holds the errors of earlier runs
-    (a crash loop that was fixed since), which must not stop this one."""
-    follower, detector = LogFollower(run_dir / "logs"), CrashLoopDetector(CRASH_LOOP_ATTEMPTS)
+    Only events from `since` on count (LogFollower): a run directory run again still holds the errors of
+    earlier runs (a crash loop that was fixed since), which must not stop this one."""
+    follower, detector = LogFollower(run_dir / "logs", since=since), CrashLoopDetector()
     while agent.poll() is None:
-        detector.feed([event for event in follower.new_events() if event.get("ts", since) >= since])
+        detector.feed(follower.new_events())
         verdict = detector.verdict()
         if verdict:
             crash.update(error=verdict[0], bad_input=verdict[1])
@@ -190,7 +181,8 @@ def run_node(args: argparse.Namespace) -> int:
         notes=list(plan.notes),
     )
     started = time.time()
-    agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    # Tied: SIGTERM reaches the agent when this launcher dies, so an agent is never left behind.
+    agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=tied_to_this_process())
     stopped_by: list[int] = []
 
     def forward(signum: int, _frame) -> None:

@@ -24,21 +24,20 @@ DEFAULT_PROG = "python -m elastic_qa.launcher.local"
 
 
 class JobMonitor:
-    """Follows <run.dir>/logs from `since` (a Unix time: events of earlier runs are history) and feeds the
-    progress view and the crash-loop detector. `on_crash_loop(error, bad_input)` is called once."""
+    """Follows <run.dir>/logs from `since` (a Unix time: events of earlier runs are history, see
+    LogFollower) and feeds the progress view and the crash-loop detector. `on_crash_loop(error,
+    bad_input)` is called once."""
 
     def __init__(
         self,
         run_dir: Path,
         since: float,
         view: ProgressView,
-        crash_attempts: int,
         on_crash_loop: Callable[[str, bool], None],
     ) -> None:
-        self.follower = LogFollower(run_dir / "logs")
-        self.since = since
+        self.follower = LogFollower(run_dir / "logs", since=since)
         self.view = view
-        self.detector = CrashLoopDetector(crash_attempts)
+        self.detector = CrashLoopDetector()
         self.on_crash_loop = on_crash_loop
         self.crash: tuple[str, bool] | None = None
         self._stop = threading.Event()
@@ -55,7 +54,7 @@ class JobMonitor:
         self.view.close()
 
     def poll(self) -> None:
-        events = [row for row in self.follower.new_events() if row.get("ts", 0.0) >= self.since]
+        events = self.follower.new_events()
         events.sort(key=lambda row: row.get("ts", 0.0))
         self.view.feed(events)
         if self.crash is None:

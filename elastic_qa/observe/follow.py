@@ -38,11 +38,17 @@ def read_events(run_dir: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]
 
 
 class LogFollower:
-    """Follows the log files of a directory: each call returns only the events appended since the last."""
+    """Follows the log files of a directory: each call returns only the events appended since the last.
 
-    def __init__(self, log_dir: Path, pattern: str = "*.jsonl") -> None:
+    With `since` (a Unix time: when this launch started) the events dated before it are left out: a run
+    directory run again still holds the lines of its earlier runs, a crash loop fixed since among them,
+    and those are history, not this job's. An undated line cannot be shown to be old and is kept.
+    """
+
+    def __init__(self, log_dir: Path, pattern: str = "*.jsonl", since: float | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.pattern = pattern
+        self.since = since
         self._offsets: dict[Path, int] = {}
 
     def new_events(self) -> list[dict[str, Any]]:
@@ -56,9 +62,27 @@ class LogFollower:
             self._offsets[path] = offset + complete
             for line in chunk[:complete].splitlines():
                 row = parse_log_line(line)
-                if row is not None and "event" in row:
+                if row is not None and "event" in row and not self._earlier(row):
                     rows.append(row)
         return rows
+
+    def _earlier(self, row: dict[str, Any]) -> bool:
+        stamp = row.get("ts")
+        return self.since is not None and isinstance(stamp, (int, float)) and stamp < self.since
+
+
+CRASH_LOOP_ATTEMPTS = 3  # worker processes in a row failing with one error, none training a step
+
+
+def process_key(event: dict[str, Any]) -> tuple[str, str, Any] | None:
+    """Which process wrote `event`: its host and pid (pids repeat across the hosts that share a run
+    directory), or its host and attempt for a line without a pid; None when the line says neither."""
+    host = str(event.get("node", "")).rsplit("/", 1)[0]  # `host@addr/group_rank`: the group rank may change
+    if event.get("pid") is not None:
+        return host, "pid", event["pid"]
+    if event.get("attempt") is not None:
+        return host, "attempt", event["attempt"]
+    return None
 
 
 class CrashLoopDetector:
@@ -67,11 +91,11 @@ class CrashLoopDetector:
     torchrun restarts a failed group up to --max-restarts times, which is what elasticity needs, but a
     deterministic error (a checkpoint that does not fit the model, a bug at start-up) would then burn every
     restart. Fed with log events, `verdict()` names the error once `attempts` worker processes in a row
-    failed with it and none of them trained a step. Failures are told apart by process, not by attempt
-    number: a start refused as bad input fails before it registers an attempt.
+    failed with it and none of them trained a step. Failures are told apart by process (`process_key`),
+    not by attempt number: a start refused as bad input fails before it registers an attempt.
     """
 
-    def __init__(self, attempts: int = 3) -> None:
+    def __init__(self, attempts: int = CRASH_LOOP_ATTEMPTS) -> None:
         self.attempts = attempts
         self.errors: dict[Any, tuple[float, str]] = {}  # process -> (when, error)
         self.bad_input: set[Any] = set()
@@ -79,7 +103,7 @@ class CrashLoopDetector:
 
     def feed(self, events: list[dict[str, Any]]) -> None:
         for event in events:
-            process = event.get("pid", event.get("attempt"))
+            process = process_key(event)
             if process is None:
                 continue
             if event.get("event") == "step":

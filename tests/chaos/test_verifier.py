@@ -241,3 +241,31 @@ def test_a_storage_fault_after_which_the_group_restarted_and_lost_work_is_caught
     assert rows[0]["verdict"] == "FAIL" and rows[0]["lost"] == 40
     graceful = _events((0.0, 2, 0, 20), (8.0, 2, 20, 40))  # another fault's late regroup lost nothing
     assert judge_faults(graceful, fault, 30, _evidence(graceful, fault))[0]["verdict"] == "ok"
+
+
+def test_a_join_the_job_ended_before_admitting_is_skipped_not_a_failed_recovery() -> None:
+    fault = [{"fault": "join-node", "ts": 10.0, "step": 58}]
+    events = _events((0.0, 2, 0, 60))
+    done = {"event": "train_done", "ts": 12.0, "attempt": 1, "step": 60, "rank": 0}
+    ended = judge_faults([*events, done], fault, 30, _evidence([*events, done], fault))
+    assert ended[0]["verdict"] == "skipped" and ended[0]["note"].startswith("job ended first")
+    # Not admitted and the job never finished: the joiner broke the job.
+    assert judge_faults(events, fault, 30, _evidence(events, fault))[0]["verdict"] == "FAIL"
+    # Admitted: judged as the restart it caused.
+    admitted = _events((0.0, 2, 0, 40), (20.0, 3, 40, 60))
+    rows = judge_faults(admitted, fault, 30, _evidence(admitted, fault))
+    assert rows[0]["verdict"] == "ok" and rows[0]["attempt"] == 2
+
+
+def test_a_join_the_job_ended_before_admitting_is_not_counted_as_injected(copy_of) -> None:
+    run = copy_of("run")
+    done = next(e for e in read_events(run) if e["event"] == "train_done")
+    (run / "chaos").mkdir()
+    (run / "chaos" / "schedule.json").write_text(json.dumps([{"kind": "join-node"}]))
+    join = {"fault": "join-node", "ts": done["ts"] - 0.5, "step": STEPS - 1, "target": "new agent pid 9"}
+    (run / "chaos" / "faults.jsonl").write_text(json.dumps(join) + "\n")
+    verdict = verify_run(run, None)
+    assert verdict.faults[0]["verdict"] == "skipped"
+    detail = verdict.checks["faults_injected"]["detail"]
+    assert detail["injected"] == 0 and detail["skipped"][0].startswith("join-node: job ended first")
+    assert not verdict.checks["faults_injected"]["ok"]

@@ -69,3 +69,40 @@ def test_training_in_between_or_different_errors_is_not_a_crash_loop() -> None:
     different = CrashLoopDetector(attempts=3)
     different.feed([crash(1), crash(2, "RuntimeError: peer"), crash(3)])
     assert different.verdict() is None
+
+
+def test_a_follower_since_a_start_leaves_out_the_lines_logged_before_it(tmp_path: Path) -> None:
+    log = tmp_path / "rank-000.pid-1.jsonl"
+    rows = [{"event": "old", "ts": 9.5}, {"event": "new", "ts": 10.0}, {"event": "undated"}]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [e["event"] for e in LogFollower(tmp_path, since=10.0).new_events()] == ["new", "undated"]
+    assert len(LogFollower(tmp_path).new_events()) == 3
+
+
+def write_host_logs(logs: Path, host: str, lines: list[dict]) -> None:
+    """Each line in the file its process would write: rank-000.<host>.pid-<pid>.jsonl."""
+    for line in lines:
+        row = {"rank": 0, "node": f"{host}/0", **line}
+        path = logs / f"rank-000.{host}.pid-{line['pid']}.jsonl"
+        with open(path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def test_processes_of_two_hosts_with_equal_pids_are_told_apart(tmp_path: Path) -> None:
+    """Hosts sharing a run directory on shared storage reuse each other's pids."""
+    a, b = "trainer-a@10.0.0.1", "trainer-b@10.0.0.2"
+    fail = {"event": "worker_crash", "error": "ValueError: boom"}
+    missed, masked = tmp_path / "missed", tmp_path / "masked"
+    missed.mkdir()
+    masked.mkdir()
+    # Three processes fail alike, two of them with pid 7: by pid alone that is two failures.
+    write_host_logs(missed, a, [{**fail, "pid": 7, "ts": 1.0}, {**fail, "pid": 8, "ts": 3.0}])
+    write_host_logs(missed, b, [{**fail, "pid": 7, "ts": 2.0}])
+    # Host a's pid 5 trained; host b's pid 5 is one of three processes that never did.
+    write_host_logs(masked, a, [{"event": "step", "step": 1, "pid": 5, "ts": 0.5}])
+    write_host_logs(masked, b, [{**fail, "pid": pid, "ts": float(pid)} for pid in (5, 6, 7)])
+
+    for logs in (missed, masked):
+        detector = CrashLoopDetector(attempts=3)
+        detector.feed(LogFollower(logs).new_events())
+        assert detector.verdict() == ("ValueError: boom", False), logs.name

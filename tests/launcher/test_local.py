@@ -1,0 +1,64 @@
+"""The local launcher run again in a run directory whose logs hold the crash loop of an earlier run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_qa.chaos.job import Job
+from elastic_qa.observe.follow import CrashLoopDetector, read_events
+
+pytestmark = pytest.mark.integration
+
+STEPS = 6
+
+
+def old_crash_loop(run_dir: Path, when: float) -> None:
+    """What an earlier launch left: three worker processes of this host, one after the other, each
+    refusing the same bad input before training a step."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True)
+    host = socket.gethostname()
+    for n, pid in enumerate((4101, 4102, 4103)):
+        line = {
+            "event": "bad_input",
+            "level": "error",
+            "error": "train.lr must be > 0",
+            "rank": 0,
+            "node": f"{host}/0",
+            "pid": pid,
+            "attempt": 0,
+            "ts": when + n,
+        }
+        (logs / f"rank-000.{host}.pid-{pid}.jsonl").write_text(json.dumps(line) + "\n")
+
+
+def test_a_start_after_an_old_crash_loop_in_the_same_run_dir_trains_to_the_end(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    old_crash_loop(run_dir, when=time.time() - 600)
+    old = CrashLoopDetector()
+    old.feed(read_events(run_dir))
+    assert old.verdict() == ("train.lr must be > 0", True)  # read whole, the logs are a crash loop
+
+    job = Job(
+        run_dir, "tiny", [f"data.cache_dir={cache_dir}", f"train.max_steps={STEPS}"], agents=1, max_nodes=1
+    )
+    job.start()
+    try:
+        code = job.wait(timeout=150)
+    finally:
+        job.kill_everything()
+
+    launcher_output = (run_dir / "chaos" / "launcher.log").read_text()
+    assert code == 0, launcher_output[-2000:]
+    actions = [json.loads(line)["event"] for line in (run_dir / "agents" / "launch.jsonl").open()]
+    assert "crash_loop" not in actions
+    done = [e for e in read_events(run_dir) if e["event"] == "train_done"]
+    assert [e["step"] for e in done] == [STEPS]
+    assert f"result: step {STEPS}" in launcher_output
