@@ -44,9 +44,9 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import STOP_GRACE_S, worker_env
+from elastic_qa.bench.runs import STOP_GRACE_S, start_tied
 from elastic_qa.data.synthetic import write_squad_file
-from elastic_qa.launcher.processes import end_process, tied_to_this_process
+from elastic_qa.launcher.processes import end_process
 from elastic_qa.observe.follow import LogFollower
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -127,13 +127,7 @@ def timed_tree(command: list[str], log: Path, timeout: float) -> dict[str, float
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as out:
         started = time.perf_counter()
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=worker_env(),
-            preexec_fn=tied_to_this_process(),
-        )
+        process = start_tied(command, out)
         peak = 0
         try:
             while process.poll() is None:
@@ -157,13 +151,7 @@ def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[flo
     output = run_dir / "output.log"
     with open(output, "wb") as out:
         started = time.time()
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=worker_env(),
-            preexec_fn=tied_to_this_process(),
-        )
+        process = start_tied(command, out)
         try:
             follower = LogFollower(run_dir / "logs")
             seen: list[dict[str, Any]] = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import io
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,10 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import bench_config, events_of, run_logged, worker_env
+from elastic_qa.bench.runs import bench_config, events_of, run_logged, start_tied, worker_env
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
-from elastic_qa.launcher.processes import tied_to_this_process
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
 
@@ -92,13 +90,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
     output = run_dir / "output.log"
     with open(output, "wb") as out:
         started = time.time()
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=worker_env(),
-            preexec_fn=tied_to_this_process(),
-        )
+        process = start_tied(command, out)
         try:
             follower = LogFollower(run_dir / "logs")  # reads only what is new at each poll
             while not (steps := [e for e in follower.new_events() if e.get("event") == "step"]):

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
@@ -70,6 +70,20 @@ def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
     ]
 
 
+def start_tied(
+    command: list[str], out: IO[bytes], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """Start `command` with its output in `out`, told to stop (SIGTERM) if this process dies."""
+    return subprocess.Popen(
+        command,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=worker_env() if env is None else env,
+        cwd=cwd,
+        preexec_fn=tied_to_this_process(),
+    )
+
+
 def run_logged(
     name: str, command: list[str], log_path: Path, env: dict[str, str], timeout: float, check: bool = True
 ) -> None:
@@ -78,14 +92,7 @@ def run_logged(
     stop before this returns: a torchrun stops its workers first (a SIGKILL would orphan them)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-            preexec_fn=tied_to_this_process(),
-        )
+        process = start_tied(command, out, env, REPO)
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
