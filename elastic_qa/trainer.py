@@ -81,6 +81,7 @@ class Trainer:
             build_scheduler(optimizer, cfg),
             torch.amp.GradScaler("cuda") if precision == "fp16" else None,
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
+            vocabulary=data.vocabulary,
         )
         # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
         self.control_group = None
