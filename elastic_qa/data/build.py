@@ -107,16 +107,7 @@ class Workers:
         # alive (a fork would copy their locks mid-use), a fresh interpreter per worker.
         method = "fork" if threading.active_count() == 1 and os.name == "posix" else "spawn"
         context = multiprocessing.get_context(method)
-        # The tokenizers library warns in every child forked after its thread pool ran here (a vocabulary
-        # trained, a batch encoded) unless told whether to use one: workers tokenise in one thread anyway.
-        unset = "TOKENIZERS_PARALLELISM" not in os.environ
-        if unset:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            self.pool = context.Pool(self.workers, _init_worker, (self.featurizer, self.cfg))
-        finally:
-            if unset:
-                del os.environ["TOKENIZERS_PARALLELISM"]
+        self.pool = context.Pool(self.workers, _init_worker, (self.featurizer, self.cfg))
 
     def map(self, chunks: Iterable[Chunk], evaluation: bool) -> Iterator[Done]:
         pending: collections.deque = collections.deque()

@@ -66,26 +66,42 @@ def _untrained(tk: Any, lowercase: bool) -> Any:
     return backend
 
 
+def _continuing(tk: Any, texts: Iterable[str], lowercase: bool) -> list[str]:
+    """Every "##c" the trainer can make of the texts: the normalised characters that can continue a word
+    (probed after an "a": whitespace, punctuation and Chinese characters always stand alone), sorted."""
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    probe = _untrained(tk, lowercase)
+    found = set()
+    for char in chars:
+        for word, _ in probe.pre_tokenizer.pre_tokenize_str(probe.normalizer.normalize_str("a" + char)):
+            found.update(word[1:])
+    return sorted(f"##{char}" for char in found)
+
+
 def train(texts: Callable[[], Iterable[str]], vocab_size: int, lowercase: bool) -> str:
     """A WordPiece vocabulary of up to `vocab_size` entries trained on the texts, as tokenizer.json text.
 
     BERT's normaliser (Chinese characters split, accents stripped when lower-casing) and pre-tokeniser;
-    the special tokens first, so that their ids are 0-3. `texts` is called twice, for two passes: the
-    trainer numbers the word-continuing characters ("##a") in hash-map order, which differs from run to
-    run and decides how ties between equally frequent merges break; the first pass finds those
-    characters, so that the second can number them in sorted order. The same texts give byte-identical
-    JSON, whatever the threads.
+    the special tokens first, so that their ids are 0-3. `texts` is called twice: the trainer numbers the
+    word-continuing characters ("##a") in hash-map order, which differs from run to run and decides how
+    ties between equally frequent merges break, so a first pass collects them and they are numbered in
+    sorted order before training. The same texts give byte-identical JSON, whatever the threads.
     """
     tk = _tokenizers()
-    first = _untrained(tk, lowercase)  # vocab_size 1: count the words and stop before any merge
-    first.train_from_iterator(texts(), tk.trainers.WordPieceTrainer(vocab_size=1, show_progress=False))
-    continuing = sorted(token for token in first.get_vocab() if token.startswith("##"))
+    continuing = _continuing(tk, texts(), lowercase)
     backend = _untrained(tk, lowercase)
     trainer = tk.trainers.WordPieceTrainer(
         vocab_size=vocab_size, special_tokens=[*SPECIALS, *continuing], show_progress=False
     )
     backend.train_from_iterator(texts(), trainer)
     definition = json.loads(backend.to_str())
+    singles = {t for t in definition["model"]["vocab"] if t.startswith("##") and len(t) == 3}
+    if not singles <= set(continuing):  # the probe missed one: the result would not be reproducible
+        raise RuntimeError(
+            f"wordpiece training: continuing characters {sorted(singles - set(continuing))}"
+        )
     # The continuing characters went in as special tokens only to be numbered first: in the vocabulary
     # they stay, as text to match they go.
     definition["added_tokens"] = [t for t in definition["added_tokens"] if t["content"] in SPECIALS]
