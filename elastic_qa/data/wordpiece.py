@@ -100,7 +100,7 @@ def train(texts: Callable[[], Iterable[str]], vocab_size: int, lowercase: bool) 
     singles = {t for t in definition["model"]["vocab"] if t.startswith("##") and len(t) == 3}
     if not singles <= set(continuing):  # the probe missed one: the result would not be reproducible
         raise RuntimeError(
-            f"wordpiece training: continuing characters {sorted(singles - set(continuing))}"
+            f"wordpiece: the probe missed continuing characters {sorted(singles - set(continuing))}"
         )
     # The continuing characters went in as special tokens only to be numbered first: in the vocabulary
     # they stay, as text to match they go.
