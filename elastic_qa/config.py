@@ -111,12 +111,19 @@ class DataConfig:
     """Files for evaluation, as `source`; empty: the synthetic held-out split (or no eval for files)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """The embedded generator used when source is `synthetic`."""
-    tokenizer: Literal["word", "byte"] = "word"
-    """`word`: hashed words, CJK characters as single tokens (short sequences); `byte`: UTF-8 bytes."""
+    tokenizer: Literal["word", "byte", "wordpiece"] = "word"
+    """Native model only. `word`: hashed words, CJK characters as single tokens (short sequences); `byte`:
+    UTF-8 bytes; `wordpiece`: subwords of a vocabulary trained on the training texts (needs tokenizers:
+    `pip install 'elastic-qa[hf]'`)."""
     vocab_size: int = 8192
-    """Hash buckets of the word tokenizer (ignored by `byte`): more buckets, fewer collisions."""
+    """`word`: hash buckets (more buckets, fewer collisions); `wordpiece`: the vocabulary size to train
+    (a small corpus may give fewer); ignored by `byte` and by a `vocab_file`."""
     lowercase: bool = True
-    """Lower-case words before hashing."""
+    """Lower-case words (`word`, and the `wordpiece` vocabulary trained, which also strips accents)."""
+    vocab_file: str = ""
+    """`wordpiece`: a tokenizer.json to use instead of training one (path or fsspec URL; [PAD], [CLS],
+    [SEP], [UNK] must be its ids 0-3); empty: trained from the training texts when the feature cache is
+    built."""
     max_seq_len: int = 64
     """Tokens per window: [CLS] question [SEP] context [SEP]."""
     max_query_len: int = 24
@@ -171,6 +178,16 @@ class DataConfig:
         )
         _require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
         _require(self.prepare_workers >= 0, "prepare_workers", self.prepare_workers, "must be >= 0")
+        if self.tokenizer == "wordpiece":
+            # find_spec imports nothing: a config is checked in processes that never tokenise.
+            _require(
+                importlib.util.find_spec("tokenizers") is not None,
+                "tokenizer",
+                self.tokenizer,
+                "needs tokenizers: pip install 'elastic-qa[hf]' (or pip install tokenizers)",
+            )
+        else:
+            _require(not self.vocab_file, "vocab_file", self.vocab_file, "only read by tokenizer=wordpiece")
 
 
 @dataclass

@@ -3,7 +3,8 @@ change does; and settings that are valid but almost certainly not what the user 
 
 Every checkpoint stores its resolved config. On resume:
     shape changes (model.kind and the model's dimensions, the tokenizer and its vocabulary) are refused:
-        the weights cannot be loaded into the new model, or would mean something else
+        the weights cannot be loaded into the new model, or would mean something else (a wordpiece
+        vocabulary is compared by content, wherever it comes from: see state.TrainState.load_state_dict)
     other changes are allowed, listed (the `config_changed` event and one console line each) with the
         effect documented in EFFECTS
 """
@@ -37,6 +38,8 @@ EFFECTS: dict[str, str] = {
     "data.max_seq_len": _NEW_DATA,
     "data.max_query_len": _NEW_DATA,
     "data.doc_stride": _NEW_DATA,
+    "data.vocab_file": "none if it holds the checkpoint's vocabulary (compared by content: another is "
+    "refused)",
 }
 DEFAULT_EFFECT = "applies from the resumed step on"
 

@@ -13,6 +13,7 @@ nothing half-written under --out.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,7 +27,8 @@ from torch import nn
 
 from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
-from elastic_qa.config import Config, ConfigError, config_from_dict, load_config
+from elastic_qa.config import Config, ConfigError, DataConfig, config_from_dict, load_config
+from elastic_qa.data.wordpiece import materialise
 from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
 
@@ -49,7 +51,7 @@ class PredictionModel:
 def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> PredictionModel:
     """The checkpoint's model in eval mode on `device`, with the config it was trained with."""
     try:
-        cfg = config_from_dict(loaded.trainer["config"])
+        cfg = with_stored_vocabulary(config_from_dict(loaded.trainer["config"]), loaded.trainer)
         family = family_for(cfg.model)
     except (ConfigError, KeyError, TypeError) as err:
         raise UsageError(f"{loaded.path}: the config stored in the checkpoint is not usable: {err}") from None
@@ -61,6 +63,22 @@ def model_from_checkpoint(loaded: LoadedCheckpoint, device: torch.device) -> Pre
     # Checkpoints load to the CPU; moved here to wherever we run, so GPU-trained ones work anywhere.
     source = f"checkpoint {loaded.path} (step {loaded.step})"
     return PredictionModel(model.to(device).eval(), cfg, family, source, loaded.step)
+
+
+def with_stored_vocabulary(cfg: Config, trainer: dict[str, Any]) -> Config:
+    """`cfg` reading the vocabulary the checkpoint carries (wordpiece), saved content-addressed under
+    data.cache_dir: the feature cache that trained it may be gone, or on another machine."""
+    vocabulary = trainer.get("vocabulary")
+    if cfg.data.tokenizer != "wordpiece" or not isinstance(vocabulary, str):
+        return cfg
+    try:
+        path = materialise(vocabulary, Path(cfg.data.cache_dir).expanduser())
+    except OSError:  # the training machine's directory: this one's default will do
+        try:
+            path = materialise(vocabulary, Path(DataConfig().cache_dir).expanduser())
+        except OSError as err:
+            raise UsageError(f"cannot store the checkpoint's vocabulary: {err}") from None
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, vocab_file=str(path)))
 
 
 def _sha256(path: Path) -> str:

@@ -8,7 +8,8 @@
                    "counters": step, tokens_seen,
                    "rng":      every rank's generators, by rank,
                    "saved_by": world_size, global_batch_size, attempt (facts about the save, never restored),
-                   "config", "versions"}
+                   "config", "versions",
+                   "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise)}
 
 `state_dict()` and `load_state_dict()` are the only code that knows this layout. Checkpoints written before
 the layout had a format number (format 1: a "trainer" table that repeated the data position) still load;
@@ -61,10 +62,12 @@ class TrainState:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
         cursor: GlobalCursor,
+        vocabulary: str | None = None,
     ) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.cursor = cursor
+        self.vocabulary = vocabulary  # the tokenizer's, when it has one of its own (PreparedData.vocabulary)
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0
 
@@ -92,6 +95,8 @@ class TrainState:
             "config": self.cfg.to_dict(),
             "versions": versions(),
         }
+        if self.vocabulary is not None:  # the model's ids mean nothing without it: it travels with them
+            trainer["vocabulary"] = self.vocabulary
         return {
             MODEL_FILE: unwrap(self.model).state_dict(),
             OPTIMIZER_FILE: self.optimizer.state_dict(),
@@ -102,6 +107,14 @@ class TrainState:
     def load_state_dict(self, loaded: LoadedCheckpoint) -> None:
         """Restore every piece from a verified checkpoint; ResumeError when it does not fit this run."""
         trainer = upgrade(loaded.trainer, loaded.path)
+        saved = trainer.get("vocabulary")
+        if saved is not None and self.vocabulary is not None and saved != self.vocabulary:
+            # Same size, other ids: the weights would load and mean something else.
+            raise ResumeError(
+                f"checkpoint {loaded.path} was trained with another wordpiece vocabulary than this run's "
+                "(its training data or data.vocab_file changed): resume with the data it was trained on, or "
+                "with data.vocab_file set to the tokenizer.json that `elastic-qa export` writes of it"
+            )
         try:
             unwrap(self.model).load_state_dict(loaded.model)
             self.optimizer.load_state_dict(loaded.optimizer)

@@ -96,6 +96,7 @@ class Trainer:
             build_scheduler(optimizer, cfg),
             torch.amp.GradScaler("cuda") if precision == "fp16" else None,
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
+            vocabulary=data.vocabulary,
         )
         self.control = ControlPlane(
             ctx.is_main,

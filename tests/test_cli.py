@@ -50,6 +50,29 @@ def test_prepare_refuses_zero_workers_with_exit_2(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("content", [None, "not json", "specials elsewhere"])
+def test_prepare_with_a_bad_vocab_file_exits_2_naming_the_file_and_builds_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture, content: str | None
+) -> None:
+    pytest.importorskip("tokenizers")
+    from elastic_qa.data import wordpiece
+
+    vocab = tmp_path / "vocab.json"
+    if content == "not json":
+        vocab.write_text("[PAD] [CLS] [SEP] [UNK]\nparis\n")  # a vocab.txt is not a tokenizer.json
+    elif content is not None:
+        definition = json.loads(wordpiece.train(lambda: ["Paris is in France"] * 5, 300, lowercase=True))
+        definition["model"]["vocab"] = {"[UNK]": 0, "[PAD]": 1, "[CLS]": 2, "[SEP]": 3, "paris": 4}
+        definition["added_tokens"] = []
+        vocab.write_text(json.dumps(definition))
+    cache = tmp_path / "cache"
+    overrides = ["data.tokenizer=wordpiece", f"data.vocab_file={vocab}", f"data.cache_dir={cache}"]
+    assert main(["prepare", "--config", "tiny", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"data.vocab_file='{vocab}'" in err and len(err.strip().splitlines()) == 1
+    assert not cache.exists() or not [p for p in cache.iterdir() if p.is_dir()]
+
+
 def test_eval_scores_the_newest_checkpoint_and_a_given_step(trained: Path, tmp_path: Path) -> None:
     newest = cli("eval", "--checkpoint", str(trained / "checkpoints"), "--out", str(tmp_path))
     assert newest.returncode == 0, newest.stderr

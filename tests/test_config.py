@@ -327,3 +327,12 @@ def test_model_kind_hf_needs_a_name_or_path_and_native_refuses_one():
 def test_the_packaged_hf_config_loads_with_a_model_path():
     cfg = load_config(packaged_config("hf-tiny"), ["model.name_or_path=/models/tiny-bert"])
     assert (cfg.model.kind, cfg.model.name_or_path, cfg.model.dropout) == ("hf", "/models/tiny-bert", 0.1)
+
+
+def test_vocab_file_is_only_read_by_the_wordpiece_tokenizer():
+    assert "data.vocab_file='tok.json': only read by tokenizer=wordpiece" in config_error(
+        "data.vocab_file=tok.json"
+    )
+    pytest.importorskip("tokenizers")
+    cfg = load_config(packaged_config("tiny"), ["data.tokenizer=wordpiece", "data.vocab_file=tok.json"])
+    assert (cfg.data.tokenizer, cfg.data.vocab_file) == ("wordpiece", "tok.json")

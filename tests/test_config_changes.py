@@ -53,3 +53,13 @@ def test_warmup_as_long_as_the_run_and_a_batch_larger_than_the_data_are_suspicio
     assert len(found) == 2
     assert "train.warmup_steps=40 >= train.max_steps=40" in found[0]
     assert "train.global_batch_size=64 is larger than the 50 training windows" in found[1]
+
+
+def test_another_vocab_file_is_no_shape_change_its_content_is_compared_on_resume() -> None:
+    saved = tiny("data.tokenizer=wordpiece").to_dict()
+    changes = config_changes(
+        saved, tiny("data.tokenizer=wordpiece", "data.vocab_file=exported/tokenizer.json")
+    )
+    assert refusal(changes, "x") is None
+    assert [(c.key, c.shape) for c in changes] == [("data.vocab_file", False)]
+    assert "compared by content" in changes[0].effect

@@ -4,18 +4,21 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main
 from elastic_qa.data.loader import collate
 from elastic_qa.data.squad import read_squad
+from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.evaluate import predict
 from elastic_qa.export import CONFIG_FILE, EXPORT_FILE, load_for_prediction
 from elastic_qa.models import model_inputs
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, train_tiny
 
 CPU = torch.device("cpu")
 
@@ -143,3 +146,47 @@ def test_an_edited_export_is_refused_by_eval_and_ask(
     (copy / "model.safetensors").write_bytes(bytes(weights))
     code, _, err = run_main(capsys, "ask", "--checkpoint", str(copy), "--context", "a b", "--question", "b")
     assert code == 2 and "sha256" in err
+
+
+@pytest.fixture(scope="module")
+def wordpiece_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """A tiny run on a trained wordpiece vocabulary whose feature cache is deleted after training: the
+    run directory, that cache directory and the vocabulary's text."""
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("wordpiece")
+    cache = root / "cache"
+    train_tiny(root / "run", cache, "data.tokenizer=wordpiece", "data.vocab_size=1000", "train.max_steps=10")
+    [vocabulary] = [p.read_text() for p in cache.glob("*/tokenizer.json")]
+    shutil.rmtree(cache)
+    return root / "run", cache, vocabulary
+
+
+def test_a_wordpiece_model_answers_and_exports_with_its_own_vocabulary_once_its_cache_is_gone(
+    wordpiece_run: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run, cache, vocabulary = wordpiece_run
+    assert load_checkpoint(str(run)).trainer["vocabulary"] == vocabulary
+    context = "bako lives in rome . bako owns a red car ."
+    question = (
+        "--context",
+        context,
+        "--question",
+        "where does bako live ?",
+        "--null-threshold=1e9",
+        "--json",
+    )
+    code, out, err = run_main(capsys, "ask", "--checkpoint", str(run), *question)
+    assert code == 0, err
+    answered = json.loads(out)
+    assert answered["answer"] and context[answered["start"] : answered["end"]] == answered["answer"]
+    code, _, err = run_main(capsys, "export", str(run), "--out", str(tmp_path / "model"))
+    assert code == 0, err
+    assert (tmp_path / "model" / VOCAB_FILE).read_text() == vocabulary
+    assert VOCAB_FILE in json.loads((tmp_path / "model" / EXPORT_FILE).read_text())["files"]
+    assert not list(cache.glob("*/meta.json"))  # no feature cache was built for any of this
+    # the export stands alone: moved, with no cache anywhere, it answers the same
+    moved = shutil.move(tmp_path / "model", tmp_path / "moved")
+    shutil.rmtree(cache)
+    code, out, err = run_main(capsys, "ask", "--checkpoint", str(moved), *question)
+    assert code == 0, err
+    assert json.loads(out) == answered

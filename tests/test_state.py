@@ -116,6 +116,25 @@ def test_a_newer_format_is_refused_naming_the_version() -> None:
         fresh_state().load_state_dict(as_loaded(files, 1))
 
 
+def test_a_vocabulary_travels_in_the_trainer_state_and_another_one_is_refused_on_resume() -> None:
+    saved = trained_state(3)
+    saved.vocabulary = '{"model": {"vocab": {"[PAD]": 0}}}'
+    files = saved.state_dict({}, attempt=1)
+    check_safe(files)
+    assert files[TRAINER_FILE]["vocabulary"] == saved.vocabulary
+    same = fresh_state(1)
+    same.vocabulary = saved.vocabulary
+    same.load_state_dict(as_loaded(files, 3))
+    assert same.step == 3
+    other = fresh_state(1)
+    other.vocabulary = '{"model": {"vocab": {"[PAD]": 0, "paris": 1}}}'
+    with pytest.raises(ResumeError, match="another wordpiece vocabulary"):
+        other.load_state_dict(as_loaded(files, 3))
+    assert other.step == 0
+    for a, b in zip(other.model.parameters(), fresh_state(1).model.parameters(), strict=True):
+        assert torch.equal(a, b)  # refused before any weight was loaded
+
+
 def lr_of(state: TrainState) -> float:
     return state.scheduler.get_last_lr()[0]
 

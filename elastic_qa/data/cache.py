@@ -2,10 +2,11 @@
 
 Tokenising once instead of at every (re)start keeps restarts cheap. The cache is a directory of `.npy`
 columns that every rank maps read-only (the page cache shares them between processes), built as a stream
-by several processes (data.build) and published in one rename, so a reader never sees half a cache.
+by several processes (data.build) and published in one rename, so a reader never sees half a cache. A
+vocabulary the windows need (data.tokenizer=wordpiece) is trained first and published with the columns.
 Ranks of one host queue on a file lock; hosts sharing the directory meet at a lease file (data.lease).
-Opening a cache reads only meta.json and maps the columns, whatever the data's size; the evaluation
-examples are read when evaluation runs.
+Opening a cache reads only meta.json (and the vocabulary, if any) and maps the columns, whatever the data's
+size; the evaluation examples are read when evaluation runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,8 +32,9 @@ from elastic_qa.data.build import Workers, build_split, default_workers
 from elastic_qa.data.columns import StoredExamples
 from elastic_qa.data.features import BuiltinFeaturizer, Features
 from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish
-from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, source_urls
+from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
 from elastic_qa.data.squad import DataError, QAExample
+from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.observe.log import get_logger
 
 # Bump when features.py, tokenizer.py, squad.py, sources.py, synthetic.py or the file layout change.
@@ -54,10 +56,12 @@ class PreparedData:
     vocab_size: int
     skipped: dict[str, int] = field(default_factory=dict)  # malformed records skipped, per split
     counts: dict[str, dict[str, int]] = field(default_factory=dict)  # per split: examples, windows, tokens
+    vocabulary: str | None = None  # the tokenizer.json text the windows were made with (wordpiece), if any
 
 
 class Featurizer(Protocol):
-    """What turns examples into a model's windows (a `models.ModelFamily` is one); see its fields."""
+    """What turns examples into a model's windows (a `models.ModelFamily` is one); see its fields, and
+    its optional `store_vocabulary`."""
 
     tokenizer: Any
     features: Any
@@ -98,6 +102,23 @@ def _chunks(cfg: DataConfig, split: str) -> tuple[ExampleReader | None, Iterator
         return None, (Chunk("synthetic", "examples", batch) for batch in batches)
     reader = ExampleReader(_split_sources(cfg)[split], cfg.skip_malformed)
     return reader, reader.chunks()
+
+
+def _training_texts(cfg: DataConfig, beat: Callable[[], None]) -> Iterator[str]:
+    """The training split's texts for a vocabulary: each distinct context once, and every question.
+
+    Read chunk by chunk like the build (`beat` once per chunk); malformed records are left out here and
+    reported by the build.
+    """
+    seen: set[bytes] = set()  # 16-byte digests: a few MB for millions of contexts
+    for chunk in _chunks(cfg, "train")[1]:
+        beat()
+        for _, example in parse_chunk(chunk, skip_malformed=True).records:
+            digest = hashlib.blake2b(example.context.encode(), digest_size=16).digest()
+            if digest not in seen:
+                seen.add(digest)
+                yield example.context
+            yield example.question
 
 
 def content_hash(url: str, root: Path) -> str:
@@ -168,14 +189,18 @@ def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers:
     """Build into a private staging directory and publish it with one rename (see publish)."""
     started = time.perf_counter()
     cfg = full.data
-    tokenizer = featurizer.tokenizer(full)
     staging = final.with_name(f"{final.name}.tmp-{HOST}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     held.touched.append(staging)  # its age tells builders on other hosts that it is alive
     counts = {}
-    pool = Workers(featurizer, full, workers, held.beat)
+    pool = None
     try:  # whatever stops the build (bad data, a full disk, Ctrl-C) takes its half-written files along
+        # A vocabulary the windows need is stored first, in this process: forked workers inherit it.
+        store = getattr(featurizer, "store_vocabulary", None)
+        built_with = store(full, lambda: _training_texts(cfg, held.beat), staging) if store else full
+        tokenizer = featurizer.tokenizer(built_with)
+        pool = Workers(featurizer, built_with, workers, held.beat)
         splits = ("train", "eval") if cfg.source == "synthetic" else tuple(_split_sources(cfg))
         for split in splits:
             reader, chunks = _chunks(cfg, split)
@@ -192,7 +217,8 @@ def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers:
         pool.close()
         published = publish(staging, final)
     except BaseException:
-        pool.close()
+        if pool is not None:
+            pool.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     get_logger().info(
@@ -255,6 +281,7 @@ def open_cache(final: Path, key: str) -> PreparedData:
         meta = json.loads((final / "meta.json").read_text())
         counts = meta["counts"]
         has_eval = "eval" in counts
+        vocabulary = final / VOCAB_FILE
         return PreparedData(
             key=key,
             path=final,
@@ -264,6 +291,7 @@ def open_cache(final: Path, key: str) -> PreparedData:
             vocab_size=int(meta["vocab_size"]),
             skipped={split: int(c.get("skipped", 0)) for split, c in counts.items()},
             counts=counts,
+            vocabulary=vocabulary.read_text("utf-8") if vocabulary.is_file() else None,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise DataError(

@@ -7,14 +7,20 @@ holds all of it; in any other window, and for unanswerable questions, the target
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from elastic_qa.config import Config, DataConfig
+from elastic_qa.data import wordpiece
 from elastic_qa.data.squad import QAExample
 from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
+from elastic_qa.observe.log import get_logger
 
 
 @dataclass
@@ -70,14 +76,44 @@ class BuiltinFeaturizer:
     @staticmethod
     def cache_identity(cfg: Config) -> dict[str, Any]:
         data = cfg.data
-        return {
+        trained = data.tokenizer == "word" or (data.tokenizer == "wordpiece" and not data.vocab_file)
+        identity = {
             "tokenizer": data.tokenizer,
-            "vocab_size": data.vocab_size if data.tokenizer == "word" else None,
-            "lowercase": data.lowercase if data.tokenizer == "word" else None,
+            "vocab_size": data.vocab_size if trained else None,
+            "lowercase": data.lowercase if trained else None,
             "max_seq_len": data.max_seq_len,
             "max_query_len": data.max_query_len,
             "doc_stride": data.doc_stride,
         }
+        if data.tokenizer == "wordpiece":  # a trained vocabulary follows from the inputs, also in the key
+            identity["vocabulary"] = (
+                {"sha256": wordpiece.vocab_file_sha256(data.vocab_file)}
+                if data.vocab_file
+                else {"recipe": wordpiece.RECIPE}
+            )
+        return identity
+
+    @staticmethod
+    def store_vocabulary(cfg: Config, texts: Callable[[], Iterable[str]], directory: Path) -> Config:
+        """wordpiece: train the vocabulary on `texts` (or read data.vocab_file), check it, write it into
+        `directory` and return the config pointing there; other tokenizers store nothing."""
+        data = cfg.data
+        if data.tokenizer != "wordpiece":
+            return cfg
+        if data.vocab_file:
+            raw = wordpiece.read_vocab_file(data.vocab_file)
+            wordpiece.parse(raw, f"data.vocab_file={data.vocab_file!r}")
+        else:
+            started = time.perf_counter()
+            raw = wordpiece.train(texts, data.vocab_size, data.lowercase).encode()
+            get_logger().info(
+                "vocabulary_trained",
+                vocab_size=wordpiece.parse(raw, "the trained vocabulary").vocab_size,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        path = directory / wordpiece.VOCAB_FILE
+        path.write_bytes(raw)
+        return dataclasses.replace(cfg, data=dataclasses.replace(data, vocab_file=str(path)))
 
 
 def build_features(

@@ -12,7 +12,7 @@ standing for "no answer in this window":
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,10 @@ class ModelFamily:
     load_export: Callable[[Config, Path], tuple[nn.Module, Config]]
     """(cfg, exported directory) -> the model `export` wrote (on the CPU) and the config to predict with
     (a family may point it at files in the directory, e.g. its tokenizer's)."""
+    store_vocabulary: Callable[[Config, Callable[[], Iterable[str]], Path], Config] | None = None
+    """(cfg, the training texts, a feature cache being built) -> the config to build its windows with,
+    after writing there the vocabulary they need (trained on the texts, or read from the config); None:
+    the tokenizer needs nothing stored with the cache."""
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -71,6 +75,7 @@ FAMILIES: dict[str, ModelFamily] = {
         span_loss_per_window=span_loss_per_window,
         export=native.export,
         load_export=native.load_export,
+        store_vocabulary=native.store_vocabulary,
     ),
 }
 

@@ -1,7 +1,8 @@
-"""The native family: a small transformer encoder with start/end span heads, on the hashed-word tokenizer."""
+"""The native family: a small transformer encoder with start/end span heads, on the built-in tokenizers."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from elastic_qa.config import Config, ModelConfig
 from elastic_qa.data.features import BuiltinFeaturizer
 from elastic_qa.data.tokenizer import PAD, SEP
+from elastic_qa.data.wordpiece import VOCAB_FILE, read_vocab_file
 from elastic_qa.exits import UsageError
 
 # Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
@@ -146,12 +148,19 @@ def _safetensors() -> Any:
 
 
 def export(model: nn.Module, cfg: Config, out: Path) -> None:
-    """The weights as safetensors; the resolved config beside them says how to build and tokenise."""
+    """The weights as safetensors, and the wordpiece vocabulary as VOCAB_FILE; the resolved config beside
+    them says how to build and tokenise."""
     weights = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
     _safetensors().save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    if cfg.data.tokenizer == "wordpiece":
+        (out / VOCAB_FILE).write_bytes(read_vocab_file(cfg.data.vocab_file))
 
 
 def load_export(cfg: Config, directory: Path) -> tuple[nn.Module, Config]:
+    if cfg.data.tokenizer == "wordpiece":  # the exported vocabulary, wherever the exporting machine had it
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, vocab_file=str(directory / VOCAB_FILE))
+        )
     model = build_model(cfg, tokenizer(cfg).vocab_size)
     model.load_state_dict(_safetensors().load_file(str(directory / WEIGHTS_FILE)))
     return model, cfg
@@ -161,3 +170,4 @@ def load_export(cfg: Config, directory: Path) -> tuple[nn.Module, Config]:
 tokenizer = BuiltinFeaturizer.tokenizer
 features = BuiltinFeaturizer.features
 cache_identity = BuiltinFeaturizer.cache_identity
+store_vocabulary = BuiltinFeaturizer.store_vocabulary

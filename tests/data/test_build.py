@@ -55,6 +55,30 @@ def test_one_two_and_three_workers_build_byte_identical_caches_under_one_key(tmp
     assert len(built[1][1]["train/input_ids.npy"]) > 100_000  # more chunks than are done inline
 
 
+def test_a_wordpiece_cache_trains_its_vocabulary_once_the_same_with_one_or_two_workers(tmp_path, inputs):
+    pytest.importorskip("tokenizers")
+    from elastic_qa.data import wordpiece
+
+    train, dev = inputs
+    built = {}
+    for workers in (1, 2):
+        cfg = data_config(
+            tmp_path, f"cache-{workers}", source=str(train), eval_source=str(dev), tokenizer="wordpiece",
+            vocab_size=2000,
+        )  # fmt: skip
+        data = prepare(cfg, workers=workers)
+        built[workers] = (data.key, files_of(data.path))
+    assert built[1] == built[2]
+    vocabulary = built[1][1][wordpiece.VOCAB_FILE]
+    assert data.vocabulary == vocabulary.decode()
+    tokenizer = wordpiece.parse(vocabulary, "the cache's")
+    assert json.loads(built[1][1]["meta.json"])["vocab_size"] == data.vocab_size == tokenizer.vocab_size
+    assert 1000 < tokenizer.vocab_size <= 2000
+    example = read_squad(str(dev))[0][0]
+    in_window = data.eval.input_ids[0][data.eval.segment_ids[0] == 1][:-1]  # context tokens, then [SEP]
+    assert in_window.tolist() == tokenizer.encode(example.context)[0][: len(in_window)]
+
+
 def test_the_cache_holds_every_window_and_the_counts_start_up_needs(tmp_path, inputs):
     train, dev = inputs
     data = prepare(data_config(tmp_path, source=str(train), eval_source=str(dev)), workers=2)

@@ -17,8 +17,8 @@ from elastic_qa.data.build import EVAL_COLUMNS, TRAIN_COLUMNS
 from elastic_qa.data.cache import cache_key, prepare
 from elastic_qa.data.features import build_features
 from elastic_qa.data.squad import DataError, read_squad
-from elastic_qa.data.synthetic import generate
-from elastic_qa.data.tokenizer import WordTokenizer
+from elastic_qa.data.synthetic import generate, iter_examples
+from elastic_qa.data.tokenizer import SEP, UNK, WordTokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -239,3 +239,58 @@ def test_content_hash_reads_an_unchanged_input_once_and_sees_a_change(tmp_path, 
     os.utime(source, ns=(1, 1))
     assert cache.content_hash(str(source), tmp_path) != first
     assert len(reads) == 2
+
+
+def wordpiece_config(tmp_path: Path, **changes) -> DataConfig:
+    pytest.importorskip("tokenizers")
+    return data_config(tmp_path, tokenizer="wordpiece", vocab_size=500, **changes)
+
+
+def test_the_wordpiece_key_changes_with_vocab_size_lowercase_and_the_vocab_files_content(tmp_path):
+    from elastic_qa.data import wordpiece
+
+    base = wordpiece_config(tmp_path)
+    assert cache_key(dataclasses.replace(base, vocab_size=501)) != cache_key(base)
+    assert cache_key(dataclasses.replace(base, lowercase=False)) != cache_key(base)
+    assert cache_key(dataclasses.replace(base, tokenizer="word")) != cache_key(base)
+    a, b, copy = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "copy-of-a.json"
+    a.write_text(wordpiece.train(lambda: ["some text to learn from"] * 10, 300, lowercase=True))
+    b.write_text(wordpiece.train(lambda: ["other text to learn from"] * 10, 300, lowercase=True))
+    copy.write_bytes(a.read_bytes())
+    keys = {name: cache_key(dataclasses.replace(base, vocab_file=str(path))) for name, path in
+            (("a", a), ("b", b), ("copy", copy))}  # fmt: skip
+    assert keys["a"] == keys["copy"] != keys["b"]
+    assert base.vocab_file == "" and keys["a"] != cache_key(base)
+    # a given vocabulary decides case and size itself: those settings do not split the cache
+    given = dataclasses.replace(base, vocab_file=str(a))
+    assert cache_key(dataclasses.replace(given, vocab_size=9000, lowercase=False)) == keys["a"]
+
+
+def test_a_given_vocab_file_is_the_one_the_windows_use_and_is_stored_with_the_cache(tmp_path):
+    from elastic_qa.data import wordpiece
+
+    given = tmp_path / "tokenizer.json"
+    questions = [e.question for e in iter_examples("train", 50, 3, 0.0)]
+    given.write_text(wordpiece.train(lambda: questions, 300, lowercase=False))
+    data = prepare(wordpiece_config(tmp_path / "cache", vocab_file=str(given)))
+    assert data.vocabulary == given.read_text()
+    assert (data.path / wordpiece.VOCAB_FILE).read_bytes() == given.read_bytes()
+    tokenizer = wordpiece.parse(given.read_bytes(), "given")
+    assert data.vocab_size == tokenizer.vocab_size < 300
+    example = data.eval_examples[0]
+    window = data.eval.input_ids[0].tolist()
+    assert window[1 : window.index(SEP)] == tokenizer.encode(example.question)[0]  # [CLS] question [SEP]
+    assert set(window[1 : window.index(SEP)]) != {UNK}
+
+
+def test_a_bad_vocab_file_is_a_config_error_naming_it_and_leaves_no_cache(tmp_path):
+    from elastic_qa.config import ConfigError
+
+    root = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"data.vocab_file='.*missing.json': file not found"):
+        prepare(wordpiece_config(root, vocab_file=str(tmp_path / "missing.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ConfigError, match=r"data.vocab_file='.*bad.json': not a tokenizer.json"):
+        prepare(wordpiece_config(root, vocab_file=str(bad)))
+    assert not [p for p in root.iterdir() if p.is_dir()]
