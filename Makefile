@@ -41,8 +41,11 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest processes (pytest-xdist): most tests wait on real torchrun jobs, rendezvous and timeouts, so
+# two at a time keep two cores busy. TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.
 test-long: $(VENV)/.dev
