@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 
@@ -44,12 +45,16 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chaos-references")
 
 
-def run_chaos(run_dir: Path, references: Path, cache_dir: Path, faults: list[str], *extra: str) -> dict:
+def run_chaos(
+    run_dir: Path, references: Path, cache_dir: Path, faults: list[str], *extra: str, config: str = "tiny"
+) -> dict:
     command = [
         sys.executable,
         "-m",
         "chaos",
         "run",
+        "--config",
+        config,
         "--run-dir",
         str(run_dir),
         "--agents",
@@ -83,6 +88,29 @@ def test_a_scenario_with_every_fault_kind_passes_verification(
         tmp_path / "run", references, cache_dir, FAULTS, "debug.step_delay=50ms", "debug.save_delay=100ms"
     )
     assert (tmp_path / "run" / "chaos" / "report.html").stat().st_size > 1000
+
+
+# The same eight faults on a pretrained transformers model (the tiny BERT, hf-tiny): a few minutes, most of
+# it the restarts (each imports transformers). Dropout off, as the comparison across world sizes needs.
+@pytest.mark.long
+def test_a_scenario_with_every_fault_kind_passes_verification_with_an_hf_model(
+    tmp_path: Path, cache_dir: Path, references: Path, hf_models: dict[str, Path]
+) -> None:
+    report = run_chaos(
+        tmp_path / "run",
+        references,
+        cache_dir,
+        FAULTS,
+        f"model.name_or_path={hf_models['bert']}",
+        "model.dropout=0.0",
+        "debug.step_delay=50ms",
+        "debug.save_delay=100ms",
+        config="hf-tiny",
+    )
+    # The job regrouped at other world sizes (a join, kills), so it matched the reference within 1e-4.
+    assert report["checks"]["matches_reference"]["detail"]["world_sizes"] != [2]
+    model_pt = next((tmp_path / "run" / "checkpoints").glob("step-*/model.pt"))
+    assert any(name.startswith("model.bert.") for name in torch.load(model_pt, weights_only=True))
 
 
 # About 90 s on two cores, and the second job's race against the fenced main job is timing-sensitive on a
