@@ -259,10 +259,14 @@ def test_a_join_the_job_ended_before_admitting_is_skipped_not_a_failed_recovery(
 
 def test_a_join_the_job_ended_before_admitting_is_not_counted_as_injected(copy_of) -> None:
     run = copy_of("run")
-    done = next(e for e in read_events(run) if e["event"] == "train_done")
+    events = read_events(run)
+    done = next(e for e in events if e["event"] == "train_done")
+    started = max(e["ts"] for e in events if e["event"] == "train_start")
     (run / "chaos").mkdir()
     (run / "chaos" / "schedule.json").write_text(json.dumps([{"kind": "join-node"}]))
-    join = {"fault": "join-node", "ts": done["ts"] - 0.5, "step": STEPS - 1, "target": "new agent pid 9"}
+    # Between the last group's start and the end, however fast the run trained (30 steps: well under 1 s)
+    at = (started + done["ts"]) / 2
+    join = {"fault": "join-node", "ts": at, "step": STEPS - 1, "target": "new agent pid 9"}
     (run / "chaos" / "faults.jsonl").write_text(json.dumps(join) + "\n")
     verdict = verify_run(run, None)
     assert verdict.faults[0]["verdict"] == "skipped"
