@@ -14,10 +14,11 @@ not depend on them): the first step's compute does not depend on the data, and o
 big one is noise that would hide what does.
 
 What more workers can give depends on the machine as much as on the code: virtual cores that share a
-physical one, or a host that is busy, make two CPU-bound processes do much less than twice the work of
-one. So each rep also measures the machine's ceiling: a fixed pure-Python load (regular expressions,
-crc32, list building: what tokenising does) run by one process, then by N at once; N x t(1) / t(N) is
-what N workers could at best achieve on that machine at that moment.
+physical core or its caches, or a busy host, make two processes tokenising at once each take longer per
+question than one alone. So each rep also measures the machine's ceiling for this work: the first 2,000
+questions of the file windowed 8 times by one process, then by N independent processes at once (fresh
+interpreters, no pipes, no reader, no writer); N x t(1) / t(N) is what N workers could at best achieve
+on that machine at that moment.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import STOP_GRACE_S, start_tied
+from elastic_qa.bench.runs import STOP_GRACE_S, start_tied, worker_env
 from elastic_qa.data.synthetic import write_squad_file
 from elastic_qa.launcher.processes import end_process
 from elastic_qa.observe.follow import LogFollower
@@ -59,23 +60,40 @@ START_OVERRIDES = [
     "train.micro_batch_size=8",
 ]
 SAMPLE_S = 0.05
-# About a second of tokenising-like work, in a fresh interpreter (no fork: nothing shared with the bench).
-CEILING_PROBE = """import re, zlib
-text = "alpha beta gamma delta epsilon " * 2000
-for _ in range(150):
-    ids = [zlib.crc32(m.group().encode()) % 65536 for m in re.finditer(r"\\w+", text)]
+CEILING_QUESTIONS = 2000
+CEILING_PASSES = 8
+# The tokenising work itself, in a fresh interpreter that shares nothing with the others: the file's first
+# questions, windowed CEILING_PASSES times from a common start time (argv: file, start, config, overrides).
+CEILING_PROBE = f"""import itertools, sys, time
+from elastic_qa.config import resolve_config
+from elastic_qa.data.features import features_for
+from elastic_qa.data.sources import ExampleReader
+cfg = resolve_config(sys.argv[3], sys.argv[4:]).data
+examples = list(itertools.islice(iter(ExampleReader(sys.argv[1])), {CEILING_QUESTIONS}))
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+started = time.perf_counter()
+for _ in range({CEILING_PASSES}):
+    features_for(examples, cfg)
+print(time.perf_counter() - started)
 """
 
 
-def parallel_ceiling(processes: int) -> float:
-    """processes x t(1) / t(processes) for CEILING_PROBE: the throughput ratio the machine allows now."""
+def parallel_ceiling(processes: int, train_file: Path, config: str, overrides: list[str]) -> float:
+    """processes x t(1) / t(processes), t the time to window the same questions in each of `processes`
+    independent processes at once: what the machine lets that many tokenisers do now, with no pipes, no
+    reader and no writer (everything prepare adds to share the work is left out)."""
 
     def timed(count: int) -> float:
-        started = time.perf_counter()
-        probes = [subprocess.Popen([sys.executable, "-c", CEILING_PROBE]) for _ in range(count)]
-        if any(probe.wait() for probe in probes):
+        start = time.time() + 3.0  # every probe has read its questions by then
+        command = [sys.executable, "-c", CEILING_PROBE, str(train_file), str(start), config, *overrides]
+        probes = [
+            subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=worker_env())
+            for _ in range(count)
+        ]
+        outputs = [probe.communicate()[0] for probe in probes]
+        if any(probe.returncode for probe in probes):
             raise BenchError("the parallel-ceiling probe failed")
-        return time.perf_counter() - started
+        return max(float(out.split()[-1]) for out in outputs)
 
     return processes * timed(1) / timed(processes)
 
@@ -198,7 +216,7 @@ def _builds(args: argparse.Namespace, work: Path, size: int) -> tuple[dict[str, 
     kept: Path | None = None
     for rep, workers in alternate(args.reps, args.workers):
         if workers == args.workers[0] and max(args.workers) > 1:  # once per rep, between its builds
-            ceilings.append(parallel_ceiling(max(args.workers)))
+            ceilings.append(parallel_ceiling(max(args.workers), train, args.config, args.overrides))
         print(f"[prepare] {size:,} questions, {workers} worker(s), rep {rep + 1}/{args.reps} ...", flush=True)
         cache = work / f"cache-{size}-w{workers}-{rep}"
         command = [
