@@ -174,9 +174,17 @@ def wrap_model(
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=True,
+        broadcast_buffers=has_running_statistics(model),
     )
     ddp.register_comm_hook((timer or CommTimer(), _HOOKS[cfg.comm_hook]), _timed_hook)
     return ddp
+
+
+def has_running_statistics(model: nn.Module) -> bool:
+    """Whether training changes any buffer: batch norm's running statistics are the buffers torch's modules
+    update in forward. Without them DDP's buffer broadcast at every forward (by default) is a collective
+    that sends constants (a transformers encoder's position and token type ids) and waits for every rank."""
+    return any(isinstance(module, nn.modules.batchnorm._NormBase) for module in model.modules())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -50,6 +50,14 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
 
 
+def seed_step_rng(seed: int, device: torch.device) -> None:
+    """Seed the generators a training step draws from: the CPU's and, on a GPU, that device's. The same
+    streams as torch.manual_seed, without its visit to every other backend (~0.1 ms, paid every step)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device: the one this rank trains on
+
+
 class TrainState:
     """Model, optimizer, LR schedule, grad scaler, data cursor, counters and RNG of one rank."""
 

@@ -40,7 +40,7 @@ from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.optim import build_optimizer, build_scheduler
-from elastic_qa.state import ResumeError, TrainState, step_seed
+from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
 TARGETS = ("start_positions", "end_positions", "weights")
@@ -78,8 +78,10 @@ class Trainer:
         if cfg.train.freeze_loss_invariant:
             self._freeze_loss_invariant(model)
         model = model.to(self.device)
-        # Re-seeding costs ~0.1 ms: only when a step draws random numbers (a pretrained config may carry
-        # dropout of its own besides model.dropout).
+        # Listed once: walking the modules for them at every step costs as much as the clipping.
+        self.trained = [param for param in model.parameters() if param.requires_grad]
+        # Re-seeded only when a step draws random numbers (a pretrained config may carry dropout of its
+        # own besides model.dropout).
         self.draws_random = cfg.model.dropout > 0 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         )
@@ -184,6 +186,7 @@ class Trainer:
         )
         self.session.schedule.saved()
         self.control.next_control = state.step + 1
+        self.model.train()  # once: run_eval puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
             while state.step < cfg.train.max_steps:
@@ -219,9 +222,8 @@ class Trainer:
 
     def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
         model, device, state = self.model, self.device, self.state
-        model.train()
         if self.draws_random:
-            torch.manual_seed(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank))
+            seed_step_rng(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank), device)
         micro = self.cfg.train.micro_batch_size
         starts = list(range(0, batch["input_ids"].shape[0], micro))
         # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
@@ -248,7 +250,7 @@ class Trainer:
         if state.scaler:
             state.scaler.unscale_(state.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), self.cfg.train.grad_clip or float("inf"), foreach=True
+            self.trained, self.cfg.train.grad_clip or float("inf"), foreach=True
         )
         if state.scaler:
             state.scaler.step(state.optimizer)
@@ -308,19 +310,22 @@ class Trainer:
         if self.data.eval is None:
             return None
         started = time.perf_counter()
-        scores = evaluate(
-            unwrap(self.model),
-            self.family,
-            self.data.eval,
-            self.data.eval_examples,
-            self.cfg.train.eval_batch_size,
-            self.cfg.data.max_answer_len,
-            self.device,
-            self.autocast_dtype,
-            n_best=self.cfg.eval.n_best,
-            null_threshold=self.cfg.eval.null_threshold,
-            cjk=self.cfg.eval.cjk_tokens,
-        )
+        try:
+            scores = evaluate(
+                unwrap(self.model),
+                self.family,
+                self.data.eval,
+                self.data.eval_examples,
+                self.cfg.train.eval_batch_size,
+                self.cfg.data.max_answer_len,
+                self.device,
+                self.autocast_dtype,
+                n_best=self.cfg.eval.n_best,
+                null_threshold=self.cfg.eval.null_threshold,
+                cjk=self.cfg.eval.cjk_tokens,
+            )
+        finally:
+            self.model.train()  # evaluate leaves the model in eval mode; training steps do not set it
         if scores is not None:
             step = self.state.step
             self.log.info(

@@ -10,7 +10,8 @@ or checkpoints. Rank 0 records the wall-clock time at the end of every step, and
 forward+backward and optimizer phases took (perf_counter, as the product's step timer), in --out.
 
 --tuned gives the loop the product's own optimizer (trainer.build_optimizer: its parameter groups and AdamW
-implementation) and DDP gradient_as_bucket_view=True, free speed-ups that are not per-step machinery, so a
+implementation), DDP gradient_as_bucket_view=True and no buffer broadcast for a model whose buffers never
+change (dist.has_running_statistics), free speed-ups that are not per-step machinery, so a
 comparison against it isolates what the product's step adds (control all-reduce, clipping, LR schedule,
 timers, logging, data cursor).
 """
@@ -34,7 +35,7 @@ from elastic_qa.config import resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
-from elastic_qa.dist import exit_process
+from elastic_qa.dist import exit_process, has_running_statistics
 from elastic_qa.models import family_for, model_inputs
 from elastic_qa.optim import build_optimizer
 
@@ -97,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     family = family_for(cfg.model)
     torch.manual_seed(cfg.run.seed)
+    module = family.build_model(cfg, data.vocab_size).to(device)
     model = DistributedDataParallel(
-        family.build_model(cfg, data.vocab_size).to(device),
+        module,
         device_ids=[local_rank] if cuda else None,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
         gradient_as_bucket_view=args.tuned,
+        broadcast_buffers=not args.tuned or has_running_statistics(module),
     )
     model.train()  # as the product does: transformers' from_pretrained returns a model in eval mode
     if args.tuned:

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tuned-baseline",
         action="store_true",
-        help="give the plain loop the product's optimizer and DDP gradient_as_bucket_view, so the ratio "
-        "isolates the product's per-step machinery",
+        help="give the plain loop the product's optimizer, DDP gradient_as_bucket_view and no broadcast of "
+        "constant buffers, so the ratio isolates the product's per-step machinery",
     )
     return parser
 
