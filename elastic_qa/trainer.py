@@ -186,7 +186,7 @@ class Trainer:
         )
         self.session.schedule.saved()
         self.control.next_control = state.step + 1
-        self.model.train()  # once: run_eval puts it back (walking every module costs ~0.1 ms a step)
+        self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
             while state.step < cfg.train.max_steps:
@@ -310,22 +310,19 @@ class Trainer:
         if self.data.eval is None:
             return None
         started = time.perf_counter()
-        try:
-            scores = evaluate(
-                unwrap(self.model),
-                self.family,
-                self.data.eval,
-                self.data.eval_examples,
-                self.cfg.train.eval_batch_size,
-                self.cfg.data.max_answer_len,
-                self.device,
-                self.autocast_dtype,
-                n_best=self.cfg.eval.n_best,
-                null_threshold=self.cfg.eval.null_threshold,
-                cjk=self.cfg.eval.cjk_tokens,
-            )
-        finally:
-            self.model.train()  # evaluate leaves the model in eval mode; training steps do not set it
+        scores = evaluate(
+            unwrap(self.model),
+            self.family,
+            self.data.eval,
+            self.data.eval_examples,
+            self.cfg.train.eval_batch_size,
+            self.cfg.data.max_answer_len,
+            self.device,
+            self.autocast_dtype,
+            n_best=self.cfg.eval.n_best,
+            null_threshold=self.cfg.eval.null_threshold,
+            cjk=self.cfg.eval.cjk_tokens,
+        )
         if scores is not None:
             step = self.state.step
             self.log.info(

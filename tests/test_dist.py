@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_qa.config import ConfigError, DistConfig
-from elastic_qa.dist import init_distributed
+from elastic_qa.dist import has_running_statistics, init_distributed
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,3 +68,16 @@ def test_more_workers_on_a_host_than_gpus_is_bad_input_before_any_device_is_boun
     with pytest.raises(ConfigError, match="local rank 1 but torch sees 1 CUDA device"):
         init_distributed(DistConfig())
     assert bound == [] and not dist.is_initialized()
+
+
+def test_only_a_model_with_running_statistics_has_its_buffers_broadcast(hf_models: dict) -> None:
+    from elastic_qa.config import load_config, packaged_config
+    from elastic_qa.models import family_for
+
+    cfg = load_config(packaged_config("tiny"))
+    native = family_for(cfg.model).build_model(cfg, cfg.data.vocab_size)
+    hf_cfg = load_config(packaged_config("hf-tiny"), [f"model.name_or_path={hf_models['bert']}"])
+    bert = family_for(hf_cfg.model).build_model(hf_cfg, 1000)
+    assert any(True for _ in bert.buffers())  # constant position and token type ids
+    assert not has_running_statistics(native) and not has_running_statistics(bert)
+    assert has_running_statistics(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))

@@ -61,6 +61,19 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(
     assert diff["bitwise_equal"], diff
 
 
+def test_the_steps_after_an_evaluation_train_with_dropout_as_if_it_had_not_run(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Evaluation puts the model in eval mode (dropout off); training must come back to train mode, so a
+    run that evaluates every 10 steps ends with the parameters of one that evaluates only at the end."""
+    evaluating, quiet = tmp_path / "evaluating", tmp_path / "quiet"
+    train(evaluating, cache_dir, "model.dropout=0.1", "train.eval_every=10")
+    train(quiet, cache_dir, "model.dropout=0.1", "train.eval_every=0")
+    assert [e["step"] for e in read_events(evaluating) if e["event"] == "eval"][:3] == [10, 20, 30]
+    diff = parameter_difference(final_params(evaluating, cache_dir), final_params(quiet, cache_dir))
+    assert diff["bitwise_equal"], diff
+
+
 def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
     tmp_path: Path, cache_dir: Path, uninterrupted: dict
 ) -> None:
