@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -27,7 +29,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str | None  # None: a single process without a process group
-    ranks_on_host: int
+    ranks_on_host: int  # ranks that share this process's cores (its machine and CPU affinity)
 
     @property
     def distributed(self) -> bool:
@@ -88,10 +90,28 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         timeout=cfg.timeout,
         device_id=device if backend == "nccl" else None,
     )
-    # torchrun says how many of its workers share this host; counting equal hostnames would not (hosts
-    # that share a name, such as containers, would count as one).
-    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, ranks_on_host)
+    # Not LOCAL_WORLD_SIZE: the local launcher runs one torchrun agent per rank on the same host, each
+    # with a local world of one (every rank took all the cores: `make run` ran 6x slower); not hostnames,
+    # which machines can share. The ranks that share this process's cores say so themselves.
+    world = dist.get_world_size()
+    keys: list[str | None] = [None] * world
+    dist.all_gather_object(keys, core_key())
+    ranks_on_host = keys.count(core_key())
+    return DistContext(dist.get_rank(), world, local_rank, device, backend, ranks_on_host)
+
+
+def core_key() -> str:
+    """Which cores this process runs on: its kernel's boot id (one per running machine: its containers
+    and network namespaces share it, two machines never do) and its CPU affinity."""
+    try:
+        machine = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the host name is the best there is
+        machine = socket.gethostname()
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = list(range(os.cpu_count() or 1))
+    return f"{machine}:{cores}"
 
 
 def set_threads(requested: int, ctx: DistContext) -> int:

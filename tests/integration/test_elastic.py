@@ -26,6 +26,7 @@ from elastic_qa.chaos.evidence import (
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.data.cache import prepare
+from elastic_qa.dist import usable_cores
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
@@ -118,6 +119,9 @@ def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Pa
     done = [e for e in events if e["event"] == "train_done" and e["rank"] == 0]
     assert done and done[0]["step"] == 10 and 0.0 <= done[0]["em"] <= 1.0
     assert "EM" in (tmp_path / "run" / "chaos" / "launcher.log").read_text()
+    # Each agent's torchrun has a local world of one, yet the two ranks share this host's cores.
+    starts = [e for e in events if e["event"] == "worker_start"]
+    assert len(starts) == 2 and {e["threads"] for e in starts} == {max(1, usable_cores() // 2)}
 
 
 def test_bf16_autocast_and_bf16_gradient_compression_train_under_torchrun(
