@@ -91,7 +91,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         device_id=device if backend == "nccl" else None,
     )
     # Not LOCAL_WORLD_SIZE: the local launcher runs one torchrun agent per rank on the same host, each
-    # with a local world of one (every rank took all the cores: `make run` ran 6x slower); not hostnames,
+    # with a local world of one (every rank took all the cores: `make run` ran 11x slower); not hostnames,
     # which machines can share. The ranks that share this process's cores say so themselves.
     world = dist.get_world_size()
     keys: list[str | None] = [None] * world
@@ -204,7 +204,7 @@ def has_running_statistics(model: nn.Module) -> bool:
     """Whether training changes any buffer: batch norm's running statistics are the buffers torch's modules
     update in forward. Without them DDP's buffer broadcast at every forward (by default) is a collective
     that sends constants (a transformers encoder's position and token type ids) and waits for every rank."""
-    return any(isinstance(module, nn.modules.batchnorm._NormBase) for module in model.modules())
+    return any(getattr(module, "running_mean", None) is not None for module in model.modules())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

