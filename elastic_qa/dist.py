@@ -93,10 +93,10 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     # Not LOCAL_WORLD_SIZE: the local launcher runs one torchrun agent per rank on the same host, each
     # with a local world of one (every rank took all the cores: `make run` ran 11x slower); not hostnames,
     # which machines can share. The ranks that share this process's cores say so themselves.
-    world = dist.get_world_size()
+    world, mine = dist.get_world_size(), core_key()
     keys: list[str | None] = [None] * world
-    dist.all_gather_object(keys, core_key())
-    ranks_on_host = keys.count(core_key())
+    dist.all_gather_object(keys, mine)
+    ranks_on_host = keys.count(mine)
     return DistContext(dist.get_rank(), world, local_rank, device, backend, ranks_on_host)
 
 
