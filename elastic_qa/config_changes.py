@@ -5,6 +5,8 @@ Every checkpoint stores its resolved config. On resume:
     shape changes (model.kind and the model's dimensions, the tokenizer and its vocabulary) are refused:
         the weights cannot be loaded into the new model, or would mean something else (a wordpiece
         vocabulary is compared by content, wherever it comes from: see state.TrainState.load_state_dict)
+    a change of the training data that changes its number of windows is refused: the data position
+        is a count of windows consumed and would point nowhere meaningful
     other changes are allowed, listed (the `config_changed` event and one console line each) with the
         effect documented in EFFECTS
 """
@@ -23,7 +25,10 @@ _DATA_SHAPE = frozenset({"data.tokenizer", "data.vocab_size", "data.lowercase"})
 _IGNORED = frozenset({"run.dir", "checkpoint.dir", "data.cache_dir"})
 
 _SCHEDULE = "the learning rate keeps its position: from its value at the checkpoint"
-_NEW_DATA = "other training windows: the data position (samples consumed in the epoch) counts them instead"
+_NEW_DATA = (
+    "other training windows, as many as before (another count is refused): the data position (windows "
+    "consumed in the epoch) points into the new ones"
+)
 EFFECTS: dict[str, str] = {
     "train.max_steps": f"{_SCHEDULE} it decays to train.min_lr_ratio x lr at the new train.max_steps",
     "train.warmup_steps": "counts only while still warming up; past warm-up the decay goes on unchanged",
@@ -88,6 +93,22 @@ def refusal(changes: list[ConfigChange], where: str) -> str | None:
     return (
         f"the checkpoint in {where} was trained with another model shape ({listed}): it cannot be "
         "resumed with this config; keep those settings, or use a new run.dir to train from scratch"
+    )
+
+
+def data_refusal(changes: list[ConfigChange], saved_windows: int, windows: int, where: str) -> str | None:
+    """The sentence refusing a resume whose training data has another number of windows, or None.
+
+    The data position is a count of windows consumed in the epoch's permutation of all windows: with
+    another count it points nowhere meaningful, and exactly-once would silently become neither."""
+    if saved_windows == windows:
+        return None
+    data = [c for c in changes if c.key.startswith("data.")]
+    listed = "; ".join(f"{c.key}: {c.old!r} -> {c.new!r}" for c in data) or "the data under the same settings"
+    return (
+        f"the checkpoint in {where} was trained on {saved_windows} training windows, this data makes "
+        f"{windows} ({listed}): its data position cannot carry over; resume with the data it was trained "
+        "on, or use a new run.dir to train from scratch"
     )
 
 

@@ -87,6 +87,13 @@ def load_checkpoint(path: str) -> LoadedCheckpoint:
 def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
     """(step, the resolved config stored in it) of the newest checkpoint whose trainer.pt verifies and
     loads; None when there is none. Reads only trainer.pt: cheap enough to run before a job starts."""
+    saved = newest_saved_trainer(checkpoint_dir)
+    return None if saved is None else (saved[0], saved[1]["config"])
+
+
+def newest_saved_trainer(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
+    """(step, trainer.pt's contents) of the newest checkpoint whose trainer.pt verifies, loads and holds
+    a config; None when there is none."""
     store = CheckpointStore(checkpoint_dir)
     try:
         infos = store.list_steps()
@@ -98,9 +105,8 @@ def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | Non
             trainer = store.load_file(info.path, manifest, TRAINER_FILE)
         except (CheckpointError, OSError, ValueError, KeyError):
             continue  # the worker's own restore rejects (and quarantines) it and tries the next
-        config = trainer.get("config") if isinstance(trainer, dict) else None
-        if isinstance(config, dict):
-            return info.step, config
+        if isinstance(trainer, dict) and isinstance(trainer.get("config"), dict):
+            return info.step, trainer
     return None
 
 

@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_qa.checkpoint.locate import newest_saved_config
+from elastic_qa.checkpoint.locate import newest_saved_trainer
 from elastic_qa.config import Config, ConfigError, resolve_config
-from elastic_qa.config_changes import config_changes, refusal, suspicious_settings
+from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
@@ -185,13 +185,18 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
         if cfg.log.tensorboard:
             TensorBoardScalars.check_installed()
         data = prepare(cfg, family_for(cfg.model))
-        saved = newest_saved_config(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+        saved = newest_saved_trainer(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     except (DataError, ConfigError) as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
     if saved is not None:
-        step, config = saved
-        problem = refusal(config_changes(config, cfg), f"{cfg.checkpoint_dir} (step {step})")
+        step, trainer = saved
+        where = f"{cfg.checkpoint_dir} (step {step})"
+        changes = config_changes(trainer["config"], cfg)
+        problem = refusal(changes, where)
+        saved_windows = (trainer.get("data") or {}).get("num_samples")
+        if problem is None and isinstance(saved_windows, int):
+            problem = data_refusal(changes, saved_windows, len(data.train), where)
         if step > cfg.train.max_steps:
             problem = (
                 f"the newest checkpoint in {cfg.checkpoint_dir} is at step {step}, past "
