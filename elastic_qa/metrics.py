@@ -23,6 +23,12 @@ _CJK_PUNCT = _PUNCT | set("，。、；：？！「」『』（）《》〈〉�
 _CJK_CHAR = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff])")
 
 
+def em_f1_text(em: float, f1: float) -> str:
+    """EM and F1 given as fractions (the training events' unit), said in percent as `elastic-qa eval` and
+    the official script say them: every place a person reads a score shows the same number."""
+    return f"EM {100 * em:.2f}  F1 {100 * f1:.2f}"
+
+
 def normalize_answer(text: str, cjk: bool = False) -> str:
     """Lower case, drop punctuation, then the English articles, then collapse whitespace."""
     punctuation = _CJK_PUNCT if cjk else _PUNCT

@@ -27,6 +27,7 @@ from elastic_qa.elastic.session import FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
+from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if result["stopped"]:
             return stopped_exit_code(stop, watchdog.lost)
         if ctx.is_main and "em" in result:  # stdout may be a closed pipe or a dead terminal by now
-            print_safely(f"final: step {result['step']}  EM {result['em']:.4f}  F1 {result['f1']:.4f}")
+            print_safely(f"final: step {result['step']}  {em_f1_text(result['em'], result['f1'])}")
         return 0
     except (DataError, ResumeError, ConfigError) as err:
         log.error("bad_input", error=str(err))

@@ -32,6 +32,7 @@ from elastic_qa.elastic.control import ControlPlane, Decision, PeerFailure, Phas
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.evaluate import evaluate
+from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for, model_inputs
 from elastic_qa.models.invariance import freeze, loss_invariant_parameters
 from elastic_qa.observe.breakdown import StepTimer
@@ -334,7 +335,7 @@ class Trainer:
                 questions=scores["count"],
                 seconds=round(time.perf_counter() - started, 3),
             )
-            self.console.line(f"eval step {step}: EM {scores['em']:.3f}  F1 {scores['f1']:.3f}")
+            self.console.line(f"eval step {step}: {em_f1_text(scores['em'], scores['f1'])}")
             if self.scalars:
                 self.scalars.add(step, eval_em=scores["em"], eval_f1=scores["f1"], eval_loss=scores["loss"])
         return scores

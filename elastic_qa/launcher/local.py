@@ -46,6 +46,7 @@ from elastic_qa.launcher.terminal import (
     stop_sentence,
     wait_quietly,
 )
+from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
@@ -326,7 +327,7 @@ def print_result(run_dir: Path, since: float = 0.0) -> bool:
     if not done:
         return False
     last = done[-1]
-    scores = f"  EM {last['em']:.4f}  F1 {last['f1']:.4f}" if "em" in last else ""
+    scores = f"  {em_f1_text(last['em'], last['f1'])}" if "em" in last else ""
     say(f"result: step {last['step']}{scores}  ({run_dir})")
     return True
 

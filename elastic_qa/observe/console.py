@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from elastic_qa.metrics import em_f1_text
+
 # Set by the launcher for its workers: the launcher owns the terminal, a worker's output goes to a log file.
 UNDER_LAUNCHER = "ELASTIC_QA_UNDER_LAUNCHER"
 BAR_WIDTH = 24
@@ -177,7 +179,9 @@ class ProgressView:
 
     def _on_eval(self, event: dict[str, Any]) -> None:
         if event.get("rank") == 0:
-            self.say(f"eval at step {event.get('step')}: EM {event.get('em'):.3f}  F1 {event.get('f1'):.3f}")
+            self.say(
+                f"eval at step {event.get('step')}: {em_f1_text(float(event['em']), float(event['f1']))}"
+            )
 
     def _on_diagnosis(self, event: dict[str, Any]) -> None:
         finding = str(event.get("finding", ""))

@@ -44,7 +44,7 @@ def test_on_a_terminal_progress_is_redrawn_in_place_and_news_goes_above_it() -> 
 
     text = out.getvalue()
     assert "\n" not in text.split("eval at step 20")[0]  # the bar was redrawn in place until the news
-    assert "\r\033[Keval at step 20: EM 0.500  F1 0.600\n" in text
+    assert "\r\033[Keval at step 20: EM 50.00  F1 60.00\n" in text
     last = text.rstrip("\n").split("\r")[-1]
     assert last.startswith("[#######") and "step 30/100  loss 2.5000  300 samples/s  eta 7s" in last
     assert "world 2  restarts 0" in last and text.endswith("\n")
