@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import subprocess
 
 import pytest
 import torch
@@ -19,12 +18,11 @@ from elastic_qa.data.tokenizer import PAD, SEP, WordTokenizer
 from elastic_qa.models import FAMILIES, family_for, model_inputs
 from elastic_qa.models.loss import span_loss
 from elastic_qa.models.native import _MASKED, SpanQA
-from tests.conftest import REPO
+from tests.conftest import FIXTURES
 
 VOCAB = 512
 CPU = torch.device("cpu")
 # The last commit before the plug point: the span model was elastic_qa/model.py, called model(ids, segments).
-BEFORE_PLUG_POINT = "18003bc"
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +138,9 @@ def test_a_zero_weight_sample_contributes_no_gradient(batch):
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
-def model_before_the_plug_point(tmp_path):
-    """The span model module as it was before the plug point, read from the repository's history."""
-    try:
-        source = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{BEFORE_PLUG_POINT}:elastic_qa/model.py"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"commit {BEFORE_PLUG_POINT} is not in this checkout (a shallow clone?)")
-    path = tmp_path / "model_before_plug_point.py"
-    path.write_text(source)
+def model_before_the_plug_point():
+    """The span model module as it was before the plug point (commit 18003bc), stored with the tests."""
+    path = FIXTURES / "model_before_plug_point.py"
     spec = importlib.util.spec_from_file_location("model_before_plug_point", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -160,9 +148,9 @@ def model_before_the_plug_point(tmp_path):
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_the_native_family_is_bitwise_the_model_before_the_plug_point(batch, tmp_path, dropout):
+def test_the_native_family_is_bitwise_the_model_before_the_plug_point(batch, dropout):
     """Same seed -> same state_dict (keys and values: old checkpoints load), same logits, loss, gradients."""
-    before = model_before_the_plug_point(tmp_path)
+    before = model_before_the_plug_point()
     torch.manual_seed(5)
     old = before.SpanQA(VOCAB, model_config(dropout=dropout))
     new = make_model(seed=5, dropout=dropout)
