@@ -1,10 +1,10 @@
-"""`python -m tests.leftovers DIR`: run `elastic-qa ckpt verify` on every checkpoints directory under DIR
-(a pytest --basetemp after a run of the suite) and fail if one holds a damaged checkpoint.
+"""`python -m tests.leftovers DIR`: run `elastic-qa ckpt verify` on the checkpoints of every run
+directory under DIR (a pytest --basetemp after a run of the suite) and fail if one holds a damaged one.
 
-What the suite leaves behind is what its jobs left: a damaged checkpoint there is one that a job (killed,
-faulted, stopped) left where the next start would look first. Tests that damage checkpoints on purpose
-and never run a job over them again say so with a file named DAMAGED_ON_PURPOSE in their checkpoints
-directory (or above it), and are skipped.
+A run directory (a checkpoints directory beside logs/) is what a job left: a damaged checkpoint there is one
+a job (killed, faulted, stopped, fenced) left where the next start would look. Unit tests of the store that
+damage bare checkpoint directories on purpose are not run directories; a test that doctors a run directory
+on purpose (the chaos verifier's evidence) says so with a file named DAMAGED_ON_PURPOSE in it or above it.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from pathlib import Path
 from elastic_qa import ckpt
 from elastic_qa.checkpoint.store import CheckpointError
 
-MARK = "DAMAGED_ON_PURPOSE"
+DAMAGED_ON_PURPOSE = "DAMAGED_ON_PURPOSE"
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
-    """Directories holding step-N directories (a checkpoint.dir), each once."""
+    """Directories holding step-N directories beside a logs/ directory (a run's checkpoints), each once."""
     found = {step.parent for step in root.rglob("step-*") if step.is_dir() and step.name[5:].isdigit()}
-    return sorted(found)
+    return sorted(directory for directory in found if (directory.parent / "logs").is_dir())
 
 
 def on_purpose(directory: Path, root: Path) -> bool:
-    return any((p / MARK).exists() for p in [directory, *directory.parents] if p == root or root in p.parents)
+    inside = [p for p in [directory, *directory.parents] if p == root or root in p.parents]
+    return any((p / DAMAGED_ON_PURPOSE).exists() for p in inside)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from elastic_qa.checkpoint.state import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.observe.follow import read_events
 from tests.chaos.conftest import STEPS
+from tests.leftovers import DAMAGED_ON_PURPOSE
 
 
 def ledger_lines(run_dir: Path) -> tuple[Path, list[dict]]:
@@ -57,6 +58,7 @@ def test_a_corrupt_retained_checkpoint_is_caught(copy_of) -> None:
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
+    (run / DAMAGED_ON_PURPOSE).touch()  # doctored evidence, not what a job left (tests.leftovers)
     verdict = verify_run(run, copy_of("reference"))
     assert not verdict.checks["checkpoints"]["ok"]
     assert verdict.checks["matches_reference"]["ok"]  # the final checkpoint is intact
