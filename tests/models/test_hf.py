@@ -201,7 +201,7 @@ def test_a_left_padding_tokenizer_or_a_missing_model_is_a_config_error(hf_models
     (left / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
     with pytest.raises(ConfigError, match="pads on the left"):
         hf.features(examples()[:1], config(left))
-    with pytest.raises(ConfigError, match="cannot load its tokenizer"):
+    with pytest.raises(ConfigError, match="no such local directory"):
         hf.features(examples()[:1], config(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"data\.doc_stride=24"):
         hf.features(examples()[:1], config(hf_models["roberta"], "data.doc_stride=24"))  # room: 48 - 20 - 4
