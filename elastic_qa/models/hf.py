@@ -34,7 +34,7 @@ from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.features import Features
 from elastic_qa.data.squad import QAExample
 from elastic_qa.models.hf_export import load_pretrained_qa, save_pretrained_qa
-from elastic_qa.models.hf_source import mismatch, one_line, resolve
+from elastic_qa.models.hf_source import mismatch, one_line, refused_pickle, resolve
 
 # Bump when the windows this module builds change for the same tokenizer and settings.
 RECIPE_VERSION = 1
@@ -306,11 +306,7 @@ def _quiet_loading() -> Iterator[None]:
 def _load_problem(err: BaseException) -> str:
     """What went wrong loading the weights, on one line; a refused pickle says what weights_only refused."""
     if isinstance(err, pickle.UnpicklingError):
-        # torch's message is a page of advice; what it refused follows "WeightsUnpickler error:".
-        text = one_line(err, 2000)
-        detail = text.partition("WeightsUnpickler error:")[2] or text
-        detail = detail.split(" Please use", 1)[0].split(" Check the documentation", 1)[0].strip()
-        return f"pytorch_model.bin holds more than tensors, refused by weights_only=True: {detail[:200]}"
+        return f"pytorch_model.bin {refused_pickle(err)}"
     return one_line(err)
 
 

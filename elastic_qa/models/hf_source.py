@@ -3,11 +3,11 @@
 `model.name_or_path` is a local directory when such a path exists (or it cannot be a hub id: an absolute
 or relative path, `~`, more than one `/`); anything else is a hub id. A local directory, or the hub cache's
 copy of a hub id, is checked file by file: the JSON files parse, config.json's sizes are whole numbers and
-transformers accepts it, the weights are there and their safetensors headers are whole and match the
-shapes config.json gives. A hub id is first asked for with a short probe of the hub: offline
-(HF_HUB_OFFLINE) or unreachable, only the hub cache is read, and a model that is not there is one line,
-not minutes of retries. Nothing in the directory is executed: the configs are data, safetensors headers
-are JSON, a pytorch_model.bin is read later with weights_only=True.
+transformers accepts it, the weights are there, safetensors headers are whole and match the shapes
+config.json gives, a pytorch_model.bin unpickles with weights_only=True (memory-mapped). A hub id is first
+asked for with a short probe of the hub: offline (HF_HUB_OFFLINE) or unreachable, only the hub cache is
+read, and a model that is not there is one line, not minutes of retries. Nothing in the directory is
+executed: the configs are data, safetensors headers are JSON, pickles are read with weights_only=True.
 
 Runs in the launcher's preflight (through the feature cache's key, which reads the tokenizer), in
 `elastic-qa prepare`, and again in every worker, so that bad input is exit 2 before any agent starts.
@@ -19,7 +19,10 @@ import errno
 import functools
 import json
 import os
+import pickle
 import stat
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,7 +172,7 @@ def check_directory(path: Path, where: str) -> None:
         raise ConfigError(f"{path / 'config.json'}: not a JSON object")
     for name in SIZE_FIELDS:
         value = config_json.get(name)
-        if name in config_json and (type(value) is not int or value < 0):
+        if value is not None and (type(value) is not int or value < 0):  # null: transformers decides
             raise ConfigError(f"{path / 'config.json'}: {name}={value!r}: must be a whole number >= 0")
     config = _auto_config(path)
     weights = _safetensors_files(path, parsed)
@@ -177,8 +180,12 @@ def check_directory(path: Path, where: str) -> None:
         expected = _expected_shapes(config)
         for file in weights:
             _check_safetensors(file, expected, config_json)
-    elif not (path / "pytorch_model.bin").is_file() and not (path / "pytorch_model.bin.index.json").is_file():
+        return
+    pickled = _shards(path, "pytorch_model.bin", parsed)
+    if not pickled:
         raise ConfigError(f"{where}: {path} has no weights (model.safetensors or pytorch_model.bin)")
+    for file in pickled:
+        _check_pickled(file)
 
 
 def _json(file: Path) -> Any:
@@ -204,12 +211,17 @@ def _auto_config(path: Path) -> Any:
 
 def _safetensors_files(path: Path, parsed: dict[str, Any]) -> list[Path]:
     """The safetensors files transformers would load (it prefers them to pytorch_model.bin)."""
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    index = parsed.get("model.safetensors.index.json")
+    return _shards(path, "model.safetensors", parsed)
+
+
+def _shards(path: Path, name: str, parsed: dict[str, Any]) -> list[Path]:
+    """The weight file `name`, or the shards its index lists (each checked to lie in the directory)."""
+    if (path / name).is_file():
+        return [path / name]
+    index = parsed.get(f"{name}.index.json")
     if index is None:
         return []
-    where = path / "model.safetensors.index.json"
+    where = path / f"{name}.index.json"
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{where}: has no weight_map")
@@ -254,6 +266,29 @@ def _check_safetensors(
         name = next((k for k in (key, f"{prefix}.{key}") if k in model_shapes), None)
         if name is not None and model_shapes[name] != shape:
             raise ConfigError(f"{file}: {mismatch(key, shape, model_shapes[name], config_json)}")
+
+
+def _check_pickled(file: Path) -> None:
+    """A pytorch_model.bin unpickles with weights_only=True (tensors and plain containers, nothing run);
+    a zip-format file is memory-mapped, so the tensors' bytes are not read here."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the refusal says enough
+            torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except MemoryError:
+        raise
+    except pickle.UnpicklingError as err:
+        raise ConfigError(f"{file}: {refused_pickle(err)}") from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError and others for a damaged file
+        raise ConfigError(f"{file}: not a readable torch file ({one_line(err, 200)})") from None
+
+
+def refused_pickle(err: BaseException) -> str:
+    """What weights_only refused, on one line: torch's message is a page of advice around it."""
+    text = one_line(err, 2000)
+    detail = text.partition("WeightsUnpickler error:")[2] or text
+    detail = detail.split(" Please use", 1)[0].split(" Check the documentation", 1)[0].strip()
+    return f"holds more than tensors, refused by weights_only=True ({detail[:200]})"
 
 
 def mismatch(key: str, stored: tuple[int, ...], described: tuple[int, ...], config_json: dict) -> str:

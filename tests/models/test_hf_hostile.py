@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from elastic_qa.config import ConfigError
 from tests.conftest import REPO
@@ -110,12 +111,24 @@ def test_a_broken_model_directory_is_refused_before_loading_naming_the_file_and_
 def test_a_pickled_pytorch_model_bin_is_refused_in_one_line_and_nothing_in_it_runs(broken_copy):
     model = broken_copy(_pickle_bin)
     cfg = config(model)
-    with pytest.raises(
-        ConfigError, match=r"pytorch_model\.bin holds more than tensors.*weights_only"
-    ) as refused:
-        hf.build_model(cfg, 10)
-    assert "\n" not in str(refused.value) and "Unsupported operand" in str(refused.value)
+    for load in (hf.cache_identity, lambda cfg: hf.build_model(cfg, 10)):  # the preflight, the worker
+        with pytest.raises(ConfigError, match=r"pytorch_model\.bin: holds more than tensors") as refused:
+            load(cfg)
+        assert "\n" not in str(refused.value) and "Unsupported operand" in str(refused.value)
     assert not (model / "EXECUTED").exists()
+
+
+def test_a_pytorch_model_bin_of_plain_tensors_loads(hf_models, broken_copy):
+    def as_bin(model: Path) -> None:
+        from safetensors.torch import load_file
+
+        torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+        (model / "model.safetensors").unlink()
+
+    model = broken_copy(as_bin)
+    loaded, expected = hf.build_model(config(model), 10), hf.build_model(config(hf_models["bert"]), 10)
+    assert loaded.state_dict().keys() == expected.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.state_dict().items())
 
 
 def test_weights_that_lack_layers_the_config_describes_are_refused_not_initialised_at_random(broken_copy):
