@@ -6,6 +6,7 @@ an empty temporary directory.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import pickle
@@ -13,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -210,6 +212,33 @@ def test_a_hub_id_without_the_hub_is_one_line_naming_it_a_hub_id_and_hf_hub_offl
     assert "HF_HUB_OFFLINE" in lines[0] and "does not have it" in lines[0]
     if not offline:
         assert f"127.0.0.1:{closed_port}) is unreachable" in lines[0]
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *_args) -> None:  # the test's output is the worker's
+        pass
+
+
+def test_a_hub_that_answers_but_has_no_such_model_is_one_line_naming_a_hub_id(tmp_path):
+    """A loopback web server that answers 404 to everything stands for a hub without the model."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = _worker(tmp_path, "some-org/no-such-model", _hub_env(tmp_path, server.server_address[1]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, lines
+    assert "'some-org/no-such-model' (no such local directory, so a hub id)" in lines[0]
 
 
 def test_an_unreachable_hub_reads_a_hub_id_from_the_hub_cache(hf_models, tmp_path, closed_port):
