@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import stat
 import warnings
 import zipfile
@@ -128,7 +129,11 @@ def _hub_unreachable() -> str | None:
     try:
         get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_S)
     except Exception as err:  # noqa: BLE001 - no answer (refused, DNS, timeout, proxy): unreachable
-        return f"the hub ({constants.ENDPOINT}) is unreachable ({one_line(err, 120)})"
+        # requests and httpx wrap the socket's error several times over: its "[Errno N] ..." says it all.
+        text = one_line(err, 1000)
+        found = re.search(r"\[Errno -?\d+\] [^'\"()\]]+", text)
+        reason = found.group(0).strip() if found else text[:120]
+        return f"the hub ({constants.ENDPOINT}) is unreachable ({reason})"
     return None  # any answer, even an error status, means the hub is there
 
 
