@@ -168,7 +168,8 @@ def _hub_source(repo_id: str, where: str) -> Source:
 
 
 def check_directory(path: Path, where: str) -> None:
-    """A model directory's files, checked without executing anything and without reading the weights."""
+    """A model directory's files, checked without executing anything; tensors' bytes are not read (a
+    legacy, non-zip pytorch_model.bin excepted: it cannot be memory-mapped)."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{where}: {path} has no config.json (not a directory save_pretrained wrote)")
     parsed = {name: _json(path / name) for name in JSON_FILES if (path / name).is_file()}
