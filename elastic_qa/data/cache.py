@@ -11,6 +11,8 @@ size; the evaluation examples are read when evaluation runs.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import fsspec
 import numpy as np
@@ -148,8 +150,12 @@ def content_hash(url: str, root: Path) -> str:
         except (OSError, ValueError):
             index[ukey] = digest
         staging = index_path.with_name(f"{index_path.name}.{HOST}-{os.getpid()}")
-        staging.write_text(json.dumps(index))
-        os.replace(staging, index_path)
+        try:  # only a shortcut: a read-only cache directory still serves the caches published in it
+            staging.write_text(json.dumps(index))
+            os.replace(staging, index_path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                staging.unlink()
     return digest
 
 
@@ -262,17 +268,50 @@ def prepare(
     """
     full, featurizer = _resolve(config, featurizer)
     cfg = full.data
-    key = cache_key(full, featurizer)
     root = Path(cfg.cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / key
-    if not _ready(final):
-        workers = workers or cfg.prepare_workers or default_workers()
-        with open(root / f"{key}.lock", "w") as lock:
-            # Ranks of one host queue here; hosts sharing the directory meet at the lease (see lease.py).
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _build_once(full, featurizer, key, final, workers)
+    try:
+        key = cache_key(full, featurizer)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / key
+        if not _ready(final):
+            workers = workers or cfg.prepare_workers or default_workers()
+            with open(root / f"{key}.lock", "w") as lock:
+                _queue_on(lock)
+                _build_once(full, featurizer, key, final, workers)
+    except OSError as err:
+        if not _unwritable(err, root):
+            raise
+        raise DataError(
+            f"data.cache_dir={cfg.cache_dir}: cannot write {err.filename} ({err.strerror}), and the "
+            f"cache of these inputs and settings is not there yet"
+        ) from None
     return open_cache(final, key)
+
+
+# Errors that mean "this directory cannot be written as configured", not a passing storage fault.
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+# flock that the filesystem does not provide: NFS without lockd (ENOLCK), some FUSE mounts (EOPNOTSUPP).
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def _unwritable(err: OSError, root: Path) -> bool:
+    """The cache directory (or a file in it, or a parent being created) cannot be written; an input file
+    that cannot be read is not this."""
+    if err.errno not in _UNWRITABLE or err.filename is None:
+        return False
+    path, root = os.path.abspath(err.filename), os.path.abspath(root)
+    return path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep)
+
+
+def _queue_on(lock: IO[str]) -> None:
+    """Ranks of one host queue here; hosts sharing the directory meet at the lease (see lease.py). Where
+    the filesystem has no flock, the lease alone keeps a second builder out, as it does across hosts."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno not in _NO_FLOCK:
+            raise
+        get_logger().info("cache_flock_unsupported", error=err.strerror, fallback="lease")
 
 
 def open_cache(final: Path, key: str) -> PreparedData:

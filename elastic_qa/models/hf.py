@@ -11,11 +11,15 @@ This module imports transformers, so only `models.family_for` imports it, on dem
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import inspect
 import json
+import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.features import Features
 from elastic_qa.data.squad import QAExample
 from elastic_qa.models.hf_export import load_pretrained_qa, save_pretrained_qa
+from elastic_qa.models.hf_source import mismatch, one_line, refused_pickle, resolve
 
 # Bump when the windows this module builds change for the same tokenizer and settings.
 RECIPE_VERSION = 1
@@ -41,27 +46,26 @@ _NO_LIMIT = 10**8
 transformers.utils.logging.disable_progress_bar()  # one bar per worker per load is noise in the logs
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-
-
-def _source(name_or_path: str) -> tuple[str, bool]:
-    """The path (user home expanded) or hub id, and whether it is a local directory (then no network)."""
-    local = Path(name_or_path).expanduser()
-    return (str(local), True) if local.is_dir() else (name_or_path, False)
-
-
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name_or_path: str) -> Any:
     """The fast tokenizer of a model directory or hub id; ConfigError if it cannot serve QA windows."""
-    source, local = _source(name_or_path)
-    where = f"model.name_or_path={name_or_path!r}"
+    source = resolve(name_or_path)
+    where = source.where
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{where}: cannot load its tokenizer ({_first_line(err)})") from None
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.path, local_files_only=source.local_only, trust_remote_code=False
+        )
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever a hostile directory makes it raise is bad input
+        raise ConfigError(f"{where}: cannot load its tokenizer ({one_line(err)})") from None
     if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"{where}: a slow (Python) tokenizer; a fast one is needed for character offsets")
+        # transformers builds a fast tokenizer from a slow one's files where it can (BERT's vocab.txt):
+        # only a tokenizer with no fast version gets here.
+        raise ConfigError(
+            f"{where}: {type(tokenizer).__name__} is a slow (Python) tokenizer with no fast version; "
+            f"character offsets need a fast one (tokenizer.json)"
+        )
     if tokenizer.padding_side != "right":
         raise ConfigError(f"{where}: the tokenizer pads on the {tokenizer.padding_side}; only right is read")
     if tokenizer.pad_token_id is None or tokenizer.cls_token_id is None:
@@ -254,26 +258,75 @@ def _with_dropout(config: Any, dropout: float) -> None:
 
 def build_model(cfg: Config, vocab_size: int) -> PretrainedSpanQA:
     """The pretrained model (a QA head the checkpoint lacks is initialised from torch's RNG), in float32."""
-    source, local = _source(cfg.model.name_or_path)
-    where = f"model.name_or_path={cfg.model.name_or_path!r}"
+    source = resolve(cfg.model.name_or_path)
+    where = source.where
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=local, trust_remote_code=False)
-        _with_dropout(config, cfg.model.dropout)
-        model = AutoModelForQuestionAnswering.from_pretrained(
-            source,
-            config=config,
-            local_files_only=local,
-            trust_remote_code=False,
-            weights_only=True,
-            dtype=torch.float32,
+        config = AutoConfig.from_pretrained(
+            source.path, local_files_only=source.local_only, trust_remote_code=False
         )
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{where}: cannot load the model ({_first_line(err)})") from None
+        _with_dropout(config, cfg.model.dropout)
+        # Mismatched shapes are reported in `loading` (and refused below) rather than raised as an
+        # exception whose message points at a report printed elsewhere; that report, and torch's warning
+        # about a pickle's protocol, are not printed: the refusal below says what matters in one line.
+        with _quiet_loading():
+            model, loading = AutoModelForQuestionAnswering.from_pretrained(
+                source.path,
+                config=config,
+                local_files_only=source.local_only,
+                trust_remote_code=False,
+                weights_only=True,
+                dtype=torch.float32,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+            )
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever a hostile directory makes it raise is bad input
+        raise ConfigError(f"{where}: cannot load the model ({_load_problem(err)})") from None
+    _check_loaded(model, loading, where, config)
     if vocab_size > config.vocab_size:
         raise ConfigError(f"{where}: the tokenizer has {vocab_size} ids, the model {config.vocab_size}")
     if cfg.model.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return PretrainedSpanQA(model)
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+
+
+def _load_problem(err: BaseException) -> str:
+    """What went wrong loading the weights, on one line; a refused pickle says what weights_only refused."""
+    if isinstance(err, pickle.UnpicklingError):
+        return f"pytorch_model.bin {refused_pickle(err)}"
+    return one_line(err)
+
+
+def _check_loaded(model: nn.Module, loading: dict[str, Any], where: str, config: Any) -> None:
+    """Refuse weights that do not fit config.json: a tensor of another shape, or a part of the base model
+    the weights lack (transformers would initialise it at random and train on). A missing QA head is
+    expected (a base model's checkpoint has none); weights the model does not use are ignored."""
+    described = config.to_dict()
+    for key, stored, wanted in sorted(loading.get("mismatched_keys") or (), key=str):
+        raise ConfigError(
+            f"{where}: the weights do not fit config.json: "
+            f"{mismatch(key, tuple(stored), tuple(wanted), described)}"
+        )
+    prefix = f"{model.base_model_prefix}."
+    missing = sorted(key for key in loading.get("missing_keys") or () if key.startswith(prefix))
+    if missing:
+        raise ConfigError(
+            f"{where}: the weights lack {len(missing)} tensors config.json describes (e.g. {missing[0]}): "
+            f"the config does not fit them"
+        )
 
 
 def export(model: nn.Module, cfg: Config, out: Path) -> None:

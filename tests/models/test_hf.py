@@ -201,7 +201,7 @@ def test_a_left_padding_tokenizer_or_a_missing_model_is_a_config_error(hf_models
     (left / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
     with pytest.raises(ConfigError, match="pads on the left"):
         hf.features(examples()[:1], config(left))
-    with pytest.raises(ConfigError, match="cannot load its tokenizer"):
+    with pytest.raises(ConfigError, match="no such local directory"):
         hf.features(examples()[:1], config(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"data\.doc_stride=24"):
         hf.features(examples()[:1], config(hf_models["roberta"], "data.doc_stride=24"))  # room: 48 - 20 - 4
@@ -254,3 +254,34 @@ def test_no_examples_give_no_windows_with_the_right_shapes(hf_models):
         and features.input_ids.shape == (0, MAX_LEN)
         and features.offsets.shape == (0, MAX_LEN, 2)
     )
+
+
+def _slow_files_only(model: Path, tokenizer_config: dict | None) -> Path:
+    """`model` without tokenizer.json: BERT's vocab.txt, and a tokenizer_config.json if given."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer_config.json").unlink()
+    (model / "vocab.txt").write_text("\n".join(sorted(vocab, key=vocab.get)) + "\n")
+    if tokenizer_config is not None:
+        (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return model
+
+
+def test_a_directory_with_only_vocab_txt_gets_the_fast_tokenizer_of_its_tokenizer_json(hf_models, tmp_path):
+    """transformers builds the fast tokenizer from a slow one's files: the same windows and cache key."""
+    bert = hf_models["bert"]
+    vocab_only = _slow_files_only(shutil.copytree(bert, tmp_path / "vocab-only"), None)
+    assert hf.load_tokenizer(str(vocab_only)).is_fast
+    batch = examples()
+    expected, got = hf.features(batch, config(bert)), hf.features(batch, config(vocab_only))
+    assert all(np.array_equal(getattr(expected, c), getattr(got, c)) for c in expected.COLUMNS)
+    assert hf.cache_identity(config(vocab_only)) == hf.cache_identity(config(bert))
+
+
+def test_a_tokenizer_with_no_fast_version_is_refused_naming_its_class(hf_models, tmp_path):
+    python_only = shutil.copytree(hf_models["bert"], tmp_path / "byt5")
+    _slow_files_only(python_only, {"tokenizer_class": "ByT5Tokenizer"})  # a Python tokenizer, no files
+    with pytest.raises(
+        ConfigError, match=r"ByT5Tokenizer is a slow \(Python\) tokenizer with no fast version"
+    ):
+        hf.load_tokenizer(str(python_only))
