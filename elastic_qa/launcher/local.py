@@ -28,10 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_qa.checkpoint.locate import newest_saved_config
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, refusal, suspicious_settings
-from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
@@ -46,7 +44,6 @@ from elastic_qa.launcher.terminal import (
     stop_sentence,
     wait_quietly,
 )
-from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
@@ -175,6 +172,12 @@ def start_agent(run_dir: Path, job: dict, tied: bool = False) -> subprocess.Pope
 def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     """Fail fast with exit 2, before any agent starts, on a bad config or data, or on a checkpoint the
     config cannot resume (another model shape); build the data cache; warn once of unlikely settings."""
+    # Here, not at the top: they import torch (seconds on a loaded host), which `join` (a new agent while
+    # the job runs), `leave`, `stop` and `status` do not need.
+    from elastic_qa.checkpoint.locate import newest_saved_config
+    from elastic_qa.data.cache import prepare
+    from elastic_qa.models import family_for
+
     configure_terminal_logging()  # in-process work (the cache build) speaks in sentences, if at all
     try:
         cfg = resolve_config(cfg_name, overrides)
