@@ -118,6 +118,15 @@ def launcher(job: Job, command: str) -> str:
     return line
 
 
+def wait_until(condition, what: str, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)
+
+
 def first_step_at_world(job: Job, world: int, timeout: float = 180) -> int:
     """Wait for rank 0 to log a step at this world size: the regroup is done."""
     import time
@@ -149,6 +158,7 @@ def test_join_and_leave_say_what_they_did_and_a_requested_stop_that_saved_exits_
         left = launcher(job, "leave")
         assert left.startswith("leaving: agent 1 (pid ") and "the job regroups at 1 agent (1 worker" in left
         job.wait_for_step(first_step_at_world(job, 1) + 2)
+        wait_until(lambda: len(job.live_agents()) == 1, "the agent that left exits")
         assert launcher(job, "stop").startswith("stopping: SIGTERM to 1 agent (pid ")
         code = job.wait(timeout=90)
     finally:
