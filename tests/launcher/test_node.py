@@ -16,12 +16,14 @@ import pytest
 from elastic_qa.exits import UsageError
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint
 from elastic_qa.launcher.node import (
+    STOP_GRACE_IDLE_S,
     build_parser,
     default_rdzv_id,
     finish,
     parse_nnodes,
     rendezvous_conf,
     torchrun_command,
+    wait_for_agent,
     wait_for_store,
     watch_for_crash_loop,
 )
@@ -250,3 +252,17 @@ def test_a_peer_waits_for_the_store_a_bounded_time_and_says_what_it_waits_for() 
         listening.listen()
         served = Endpoint("127.0.0.1", listening.getsockname()[1])
         assert wait_for_store(served, 1.0, [], Log()) is True
+
+
+def test_an_agent_that_outlives_a_stop_is_killed_with_its_tree_after_a_bounded_grace() -> None:
+    """A torchrun blocked in a store call (or ignoring the signal) must not keep the node waiting: with
+    no worker under it, it is killed once STOP_GRACE_IDLE_S has passed."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    log = Log()
+    try:
+        code = wait_for_agent(agent, [signal.SIGINT], log)
+    finally:
+        kill_trees([agent.pid])
+    assert code == -signal.SIGKILL
+    assert [e["event"] for e in log] == ["stopping", "agent_killed"]
+    assert log[0]["training"] is False and log[0]["grace_s"] == STOP_GRACE_IDLE_S
