@@ -62,6 +62,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+OTHER_RANK_STOP = "asked on another rank"
+
+
 class Trainer:
     def __init__(
         self, cfg: Config, ctx: DistContext, data: PreparedData, stop_request: StopRequest | None = None
@@ -342,7 +345,10 @@ class Trainer:
 
     def _stop(self) -> dict[str, Any]:
         self.control.enter(Phase.STOPPING)
-        self.log.warning("stopping", step=self.state.step, signal=self.stop_request.signal_name)
+        # The control all-reduce carries that some rank was asked to stop, not by what: a rank that was not
+        # signalled itself (rank 0 when `leave` stopped another agent) names the stop generically.
+        reason = self.stop_request.signal_name or OTHER_RANK_STOP
+        self.log.warning("stopping", step=self.state.step, signal=reason)
         with self.stop_request.saving():
             self.session.save_for_stop()
         return {"stopped": True, "step": self.state.step}

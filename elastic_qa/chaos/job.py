@@ -135,7 +135,7 @@ class Job:
         )
         if result.returncode != 0:
             raise RuntimeError(f"join failed: {result.stderr.strip()}")
-        return int(result.stdout.strip().splitlines()[-1])
+        return int(result.stdout.split("(pid ", 1)[1].split(")", 1)[0])  # "joined: agent N (pid P) ..."
 
     # ---- progress -----------------------------------------------------------------------------------
     def progress(self) -> int:

@@ -22,7 +22,8 @@ The run directory is `--run-dir DIR` for every command; `run.dir=DIR` is accepte
 config key that `start` takes with the other overrides). `start` waits for the job and shows its progress;
 Ctrl-C (or SIGTERM) stops it after every agent saved, and prints the command that resumes it.
 
-Exit codes of start: 0 the job completed; 1 it failed or ended early; 2 bad input (config, data, a
+Exit codes of start: 0 the job completed, or `stop` stopped it and its last step was saved; 1 it failed
+or ended early; 2 bad input (config, data, a
 checkpoint of another model shape, a crash loop on bad input), nothing started; 130 stopped by Ctrl-C
 (SIGINT) and 143 by SIGTERM, after saving. join, leave, stop, status: 0 ok, 2 bad input.
 """

@@ -28,10 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_qa.checkpoint.locate import newest_saved_trainer
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
-from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
@@ -47,7 +45,6 @@ from elastic_qa.launcher.terminal import (
     wait_quietly,
 )
 from elastic_qa.metrics import em_f1_text
-from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
@@ -176,6 +173,12 @@ def start_agent(run_dir: Path, job: dict, tied: bool = False) -> subprocess.Pope
 def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     """Fail fast with exit 2, before any agent starts, on a bad config or data, or on a checkpoint the
     config cannot resume (another model shape); build the data cache; warn once of unlikely settings."""
+    # Here, not at the top: they import torch (seconds on a loaded host), which `join` (a new agent while
+    # the job runs), `leave`, `stop` and `status` do not need.
+    from elastic_qa.checkpoint.locate import newest_saved_trainer
+    from elastic_qa.data.cache import prepare
+    from elastic_qa.models import family_for
+
     configure_terminal_logging()  # in-process work (the cache build) speaks in sentences, if at all
     try:
         cfg = resolve_config(cfg_name, overrides)
@@ -300,9 +303,32 @@ def cmd_start(args: argparse.Namespace) -> int:
     # stopped on the way (exit codes != 0) do not make a completed job a failure.
     if print_result(run_dir, started_at) or 0 in codes.values():  # a --module worker logs no train_done
         return 0 if 0 in codes.values() else 1
+    requested = read_job(run_dir).get("stop_requested")
+    if requested is not None and requested >= started_at:  # `stop` asked for it: no failure if all was saved
+        saved, last = newest_saved_step(cfg.checkpoint_dir), last_trained_step(run_dir, started_at)
+        if last is None or (saved is not None and saved >= last):
+            said = "stopped by `stop` and saved, resumable" if last else "stopped by `stop` before any step"
+            say(stop_sentence(said, saved, resume))
+            return 0
+        reason = f"stopped by `stop`, but step {last} was not saved (see the agents' logs)"
+        say(stop_sentence(reason, saved, resume))
+        return 1
     reason = "the job ended before its last step (agents stopped or failed; see their logs)"
     say(stop_sentence(reason, newest_saved_step(cfg.checkpoint_dir), resume))
     return 1
+
+
+def last_trained_step(run_dir: Path, since: float) -> int | None:
+    """The newest step rank 0 said it trained or stopped after in this launch of the job, or None."""
+    steps = [
+        row["step"]
+        for row in read_events(run_dir)
+        if row["event"] in ("step", "stopping")
+        and row.get("rank", 0) == 0
+        and row.get("ts", 0.0) >= since
+        and isinstance(row.get("step"), int)
+    ]
+    return max(steps, default=None)
 
 
 def current_agents(run_dir: Path, job: dict) -> list[dict]:
@@ -311,6 +337,10 @@ def current_agents(run_dir: Path, job: dict) -> list[dict]:
         return json.loads((run_dir / "launch.json").read_text())["agents"]
     except (OSError, ValueError, KeyError):
         return job["agents"]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def say(text: str) -> None:
@@ -343,7 +373,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     if len(live) >= job["max"]:
         print(f"launch: the job already has its maximum of {job['max']} agents", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(start_agent(run_dir, job).pid)
+    process = start_agent(run_dir, job)
+    agent, world = job["agents"][-1], len(live) + 1
+    workers = world * job["nproc_per_node"]
+    print(
+        f"joined: agent {agent['index']} (pid {process.pid}) on {socket.gethostname()}; the job regroups at "
+        f"{plural(world, 'agent')} ({plural(workers, 'worker')}, max {job['max']}); its log: "
+        f"{agent['log']}"
+    )
     return 0
 
 
@@ -363,6 +400,12 @@ def cmd_leave(args: argparse.Namespace) -> int:
     agent = candidates[0]
     os.kill(agent["pid"], signal.SIGTERM)
     log_action(run_dir, "agent_leave", agent=agent["index"], pid=agent["pid"])
+    world = len(live) - 1
+    workers = world * job["nproc_per_node"]
+    print(
+        f"leaving: agent {agent['index']} (pid {agent['pid']}) on {socket.gethostname()} got SIGTERM: its "
+        f"workers save, and the job regroups at {plural(world, 'agent')} ({plural(workers, 'worker')})"
+    )
     return 0
 
 
@@ -370,10 +413,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     job = read_job(run_dir)
     use_private_umask(job.get("private", False))
-    for agent in job["agents"]:
-        if alive(agent["pid"]):
-            os.kill(agent["pid"], signal.SIGTERM)
-            log_action(run_dir, "agent_stop", agent=agent["index"], pid=agent["pid"])
+    live = [agent for agent in job["agents"] if alive(agent["pid"])]
+    if live:  # before the signals: `start` reads it to tell a requested stop from a failure
+        job["stop_requested"] = time.time()
+        write_job(run_dir, job)
+    for agent in live:
+        os.kill(agent["pid"], signal.SIGTERM)
+        log_action(run_dir, "agent_stop", agent=agent["index"], pid=agent["pid"])
+    pids = ", ".join(str(agent["pid"]) for agent in live)
+    print(
+        f"stopping: SIGTERM to {plural(len(live), 'agent')} (pid {pids}): each saves its step first"
+        if live
+        else f"no agent of {run_dir} is running: nothing to stop"
+    )
     return 0
 
 

@@ -17,9 +17,15 @@ stops the workers):
   on loopback is refused with the fix, exit 2, as is bad config or data;
 - a crash loop (the same error at every attempt, no step trained) stops this host's agent, exit 2 when
   the error is bad input, else 1, instead of burning every restart;
-- SIGTERM (a scheduler's preemption or time limit) and SIGINT go to torchrun, which stops the workers;
-  they save; this command exits 0 when the job had finished, else 128 + the signal (143 for SIGTERM:
-  "stopped by a signal, may be retried", which SLURM and Kubernetes read as such);
+- a peer (c10d, no --store-host) waits for the store to answer before its agent starts, bounded by
+  --store-timeout and saying what it waits for; a loopback endpoint with nothing serving it, and a store
+  host whose port is already taken, are refused at once (exit 2);
+- SIGTERM (a scheduler's preemption or time limit), SIGINT and SIGHUP stop torchrun with SIGTERM (an agent
+  started from a script may ignore SIGINT), which stops the workers; they save. The wait for it is bounded:
+  STOP_GRACE_IDLE_S when no worker runs (an agent waiting for peers), STOP_GRACE_TRAINING_S (torchrun's
+  30 s for the workers to save, and a margin) when they do; then the agent's tree is killed. This command
+  exits 0 when the job had finished, else 128 + the signal (143 for SIGTERM: "stopped by a signal, may be
+  retried", which SLURM and Kubernetes read as such);
 - when the agent fails and the c10d endpoint no longer answers, it says the store host is gone.
 Each decision is one JSON line on stderr and in <run.dir>/nodes/<host>.jsonl.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -40,15 +47,27 @@ import time
 from pathlib import Path
 
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
-from elastic_qa.launcher.netplan import NetworkPlan, parse_endpoint, plan_network
-from elastic_qa.launcher.processes import python_env, tied_to_this_process
-from elastic_qa.launcher.rendezvous import LAST_CALL_TIMEOUT_S, MAX_RESTARTS, MONITOR_INTERVAL_S, rdzv_conf
+from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint, plan_network
+from elastic_qa.launcher.processes import children, kill_trees, python_env, tied_to_this_process
+from elastic_qa.launcher.rendezvous import (
+    JOIN_TIMEOUT_S,
+    LAST_CALL_TIMEOUT_S,
+    MAX_RESTARTS,
+    MONITOR_INTERVAL_S,
+    rdzv_conf,
+)
+from elastic_qa.network import is_loopback
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, CrashLoopDetector, LogFollower
 from elastic_qa.observe.log import NODE_ENV, file_safe
 
 DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 WORKER_MODULE = "elastic_qa.train"
 STORE_PROBE_TIMEOUT_S = 2.0
+# How long a stopped agent may take to exit before its tree is killed. Idle (waiting for peers): nothing to
+# save, torchrun exits at once unless a blocking store call holds its main thread. Training: torchrun gives
+# the workers 30 s to save before its own SIGKILL; the margin covers its exit after that.
+STOP_GRACE_IDLE_S = 5.0
+STOP_GRACE_TRAINING_S = 45.0
 
 
 class NodeLog:
@@ -121,6 +140,88 @@ def store_answers(host: str, port: int) -> bool:
         return False
 
 
+def port_in_use(port: int) -> bool:
+    """Whether a listening socket already holds `port` on this host. Checked on the wildcard address,
+    dual stack where there is IPv6, as torch's TCPStore server binds it: any listener on the port clashes."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: the IPv4 wildcard then
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's bind: TIME_WAIT is fine
+            try:
+                probe.bind((address, port))
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return True
+                continue
+            return False
+    return False
+
+
+def check_store_endpoint(endpoint: Endpoint, endpoint_address: str, store_host: bool) -> None:
+    """Refuse, before anything starts, a store host whose port is taken and a loopback peer nobody serves."""
+    if store_host and port_in_use(endpoint.port):
+        raise UsageError(
+            f"--store-host: port {endpoint.port} of --endpoint {endpoint} is already in use on this host: "
+            "another c10d store or job is serving it (stop it, or give another port)"
+        )
+    if not store_host and is_loopback(endpoint_address) and not store_answers(endpoint.host, endpoint.port):
+        raise UsageError(
+            f"--endpoint {endpoint} is a loopback address, only reachable from this host, and no store "
+            "answers there, so this node must host the store: add --store-host"
+        )
+
+
+def wait_for_store(endpoint: Endpoint, timeout_s: float, stopped_by: list[int], log: NodeLog) -> bool:
+    """A peer's wait for the store host's agent to serve the c10d store: whether it answered. Bounded and
+    said: without it torchrun retries the connection and dies in a C++ frame dump minutes later."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while not stopped_by:
+        if store_answers(endpoint.host, endpoint.port):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        if not said:
+            said = True
+            log("waiting_for_store", endpoint=str(endpoint), timeout_s=timeout_s)
+        time.sleep(1.0)
+    return False
+
+
+def watch_for_peers(endpoint: Endpoint, agent: subprocess.Popen, nnodes: str, log: NodeLog) -> None:
+    """Say once that the agent waits for its peers: its store answers and no worker has started."""
+    while agent.poll() is None:
+        if children(agent.pid):
+            return
+        if store_answers(endpoint.host, endpoint.port):
+            log("waiting_for_peers", endpoint=str(endpoint), nnodes=nnodes, join_timeout_s=JOIN_TIMEOUT_S)
+            return
+        time.sleep(1.0)
+
+
+def wait_for_agent(agent: subprocess.Popen, stopped_by: list[int], log: NodeLog) -> int:
+    """The agent's exit code. Once a stop was asked for, the wait is bounded (STOP_GRACE_*): an agent
+    blocked in a store call, or one that ignores the signal, is killed with its workers."""
+    deadline = None
+    while True:
+        try:
+            return agent.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if stopped_by and deadline is None:
+            training = bool(children(agent.pid))
+            grace = STOP_GRACE_TRAINING_S if training else STOP_GRACE_IDLE_S
+            deadline = time.monotonic() + grace
+            log("stopping", signal=signal.Signals(stopped_by[0]).name, training=training, grace_s=grace)
+        if deadline is not None and time.monotonic() > deadline:
+            log("agent_killed", reason="did not exit in time after the stop", pid=agent.pid)
+            kill_trees([agent.pid])
+            return agent.wait()
+
+
 def watch_for_crash_loop(
     run_dir: Path, agent: subprocess.Popen, crash: dict, log: NodeLog, since: float = 0.0
 ) -> None:
@@ -152,6 +253,8 @@ def run_node(args: argparse.Namespace) -> int:
                 "--rdzv-backend etcd-v2 needs the python-etcd client: pip install 'elastic-qa[etcd]'"
             )
     plan = plan_network(endpoint, args.store_host, args.rdzv_backend, args.local_addr, args.interface)
+    if args.rdzv_backend == "c10d":
+        check_store_endpoint(endpoint, plan.endpoint_address, args.store_host)
     # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
     from elastic_qa.launcher.local import check_inputs
 
@@ -181,21 +284,44 @@ def run_node(args: argparse.Namespace) -> int:
         notes=list(plan.notes),
     )
     started = time.time()
-    # Tied: SIGTERM reaches the agent when this launcher dies, so an agent is never left behind.
-    agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=tied_to_this_process())
     stopped_by: list[int] = []
+    agents: list[subprocess.Popen] = []
 
     def forward(signum: int, _frame) -> None:
+        # SIGTERM whatever the signal: torchrun stops its workers on each alike, but an agent started
+        # from a script (`cmd &`) inherits SIGINT ignored and would wait out its join timeout.
         stopped_by.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            agent.send_signal(signum)
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                agent.send_signal(signal.SIGTERM)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
+    peer = args.rdzv_backend == "c10d" and not args.store_host
+    if peer and not wait_for_store(endpoint, args.store_timeout, stopped_by, log):
+        if stopped_by:
+            log("node_end", exit=128 + stopped_by[0], signal=signal.Signals(stopped_by[0]).name)
+            return 128 + stopped_by[0]
+        log("node_end", exit=EXIT_FAILED, store_answered=False)
+        print(
+            f"elastic-qa node: no c10d store answered at {endpoint} within {args.store_timeout:g} s: start "
+            "`elastic-qa node --store-host` on the host that owns that address first (or check the "
+            "address, the port and any firewall)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    # Tied: SIGTERM reaches the agent when this launcher dies, so an agent is never left behind.
+    agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=tied_to_this_process())
+    agents.append(agent)
+    if stopped_by:  # a signal between the store's answer and the agent's start
+        agent.send_signal(signal.SIGTERM)
     crash: dict = {}
     watch = (run_dir, agent, crash, log, started)
     threading.Thread(target=watch_for_crash_loop, args=watch, daemon=True).start()
-    code = agent.wait()
+    if args.rdzv_backend == "c10d":
+        peers = (endpoint, agent, f"{low}:{high}", log)
+        threading.Thread(target=watch_for_peers, args=peers, daemon=True).start()
+    code = wait_for_agent(agent, stopped_by, log)
     return finish(args, endpoint, run_dir, code, stopped_by, crash, log)
 
 
@@ -243,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interface", help="network interface for gloo/nccl (default: routes to endpoint)")
     parser.add_argument("--local-addr", help="this host's address for its peers (default: from the route)")
     parser.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help=f"default {MAX_RESTARTS}")
+    parser.add_argument(
+        "--store-timeout",
+        type=float,
+        default=JOIN_TIMEOUT_S,
+        help=f"c10d peers: seconds to wait for the store host's store to answer (default {JOIN_TIMEOUT_S})",
+    )
     parser.add_argument("--config", default="default", help="config file or packaged config name")
     parser.add_argument("--module", default=WORKER_MODULE, help=f"worker module (default {WORKER_MODULE})")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
@@ -259,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"elastic-qa node: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C before the agent started (checking inputs, building the cache)
+        print("elastic-qa node: interrupted before the agent started; nothing was started", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.observe.console import ProgressView
 from elastic_qa.observe.follow import CrashLoopDetector, LogFollower
 
@@ -71,6 +70,9 @@ class JobMonitor:
 
 def newest_saved_step(checkpoint_dir: str) -> int | None:
     """The step of the newest committed checkpoint, or None (none, or the store cannot be read)."""
+    # Here, not at the top: it imports torch, which `join`, `leave` and `stop` should not wait for.
+    from elastic_qa.checkpoint.store import CheckpointStore
+
     try:
         steps = CheckpointStore(checkpoint_dir).list_steps()
     except (OSError, ValueError):

@@ -42,3 +42,19 @@ def test_help_names_the_launcher_as_typed_and_documents_the_exit_codes(monkeypat
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("elastic-qa ")
+
+
+def test_join_leave_stop_and_status_do_not_wait_for_torch_to_import() -> None:
+    """`join` imported torch (6-8 s on a loaded 2-core host) before it started the new agent; only
+    `start` checks inputs, which needs it (and imports it then)."""
+    import subprocess
+    import sys
+
+    from elastic_qa.launcher.processes import python_env
+
+    probe = "import sys, elastic_qa.launcher.local; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=python_env(), timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -7,6 +7,8 @@ import json
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +16,18 @@ import pytest
 from elastic_qa.exits import UsageError
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint
 from elastic_qa.launcher.node import (
+    STOP_GRACE_IDLE_S,
     build_parser,
     default_rdzv_id,
     finish,
     parse_nnodes,
     rendezvous_conf,
     torchrun_command,
+    wait_for_agent,
+    wait_for_store,
     watch_for_crash_loop,
 )
+from elastic_qa.launcher.processes import alive, descendants, kill_trees, python_env
 
 
 def test_endpoints_parse_with_and_without_a_port_and_in_brackets_for_ipv6() -> None:
@@ -148,3 +154,115 @@ def test_errors_logged_before_this_run_started_do_not_make_a_crash_loop(tmp_path
     finally:
         agent.kill()
     assert crash == {} and agent.wait() == 0
+
+
+# ---- the real command: bounded waits, one line for what cannot work ---------------------------------
+
+
+def node_command(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_qa.launcher.node", *argv]
+
+
+def wait_for_line(path: Path, text: str, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert process.poll() is None, (
+            f"exited {process.returncode} before {text!r}: {path.read_text()[-2000:]}"
+        )
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s: {path.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+def ignore_sigint() -> None:
+    """As for a command started in the background from a script (`cmd &`): SIGINT ignored, inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.integration
+def test_ctrl_c_ends_a_store_host_waiting_for_a_peer_that_never_comes_and_its_agent(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Its torchrun agent inherits SIGINT ignored, so forwarding SIGINT left it waiting out its join
+    timeout (600 s) and the node with it. 30 s bounds a hang; it is no timing goal."""
+    out = tmp_path / "node.err"
+    command = node_command(
+        f"--endpoint=127.0.0.1:{closed_port()}", "--store-host", "--nnodes=2", "--config=tiny",
+        f"run.dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "log.console=none",
+    )  # fmt: skip
+    with open(out, "wb") as handle:
+        node = subprocess.Popen(
+            command, stdout=handle, stderr=handle, env=python_env(), preexec_fn=ignore_sigint
+        )
+    try:
+        wait_for_line(out, '"waiting_for_peers"', node)
+        tree = [node.pid, *descendants(node.pid)]
+        assert len(tree) >= 2, "the node has started its torchrun agent"
+        node.send_signal(signal.SIGINT)
+        code = node.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in tree if alive(pid)] == []
+    finally:
+        kill_trees([node.pid])
+    assert code == 128 + signal.SIGINT, out.read_text()[-2000:]
+
+
+def test_a_loopback_endpoint_nobody_serves_needs_store_host_here(tmp_path: Path) -> None:
+    """Only this host can reach a loopback endpoint: without --store-host and nothing serving it, no
+    agent would ever host the store (the agent retried for minutes and died in a C++ frame dump)."""
+    port = closed_port()
+    result = subprocess.run(
+        node_command(f"--endpoint=127.0.0.1:{port}", "--nnodes=1", "--config=tiny", f"run.dir={tmp_path}/r"),
+        capture_output=True, text=True, env=python_env(), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"127.0.0.1:{port}" in line and "only reachable from this host" in line
+    assert "add --store-host" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_second_store_host_on_a_port_already_served_is_one_line_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as served:
+        served.bind(("127.0.0.1", 0))
+        served.listen()
+        port = served.getsockname()[1]
+        result = subprocess.run(
+            node_command(
+                f"--endpoint=127.0.0.1:{port}", "--store-host", "--nnodes=1", "--config=tiny",
+                f"run.dir={tmp_path}/run",
+            ),
+            capture_output=True, text=True, env=python_env(), timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"port {port}" in line and "already in use" in line and "another c10d store or job" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_peer_waits_for_the_store_a_bounded_time_and_says_what_it_waits_for() -> None:
+    log = Log()
+    endpoint = Endpoint("127.0.0.1", closed_port())
+    assert wait_for_store(endpoint, 1.0, [], log) is False
+    assert log == [{"event": "waiting_for_store", "endpoint": str(endpoint), "timeout_s": 1.0}]
+    assert wait_for_store(endpoint, 600.0, [signal.SIGINT], Log()) is False  # a stop ends the wait
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        served = Endpoint("127.0.0.1", listening.getsockname()[1])
+        assert wait_for_store(served, 1.0, [], Log()) is True
+
+
+def test_an_agent_that_outlives_a_stop_is_killed_with_its_tree_after_a_bounded_grace() -> None:
+    """A torchrun blocked in a store call (or ignoring the signal) must not keep the node waiting: with
+    no worker under it, it is killed once STOP_GRACE_IDLE_S has passed."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    log = Log()
+    try:
+        code = wait_for_agent(agent, [signal.SIGINT], log)
+    finally:
+        kill_trees([agent.pid])
+    assert code == -signal.SIGKILL
+    assert [e["event"] for e in log] == ["stopping", "agent_killed"]
+    assert log[0]["training"] is False and log[0]["grace_s"] == STOP_GRACE_IDLE_S

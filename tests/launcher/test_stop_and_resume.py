@@ -101,3 +101,76 @@ def _start_exactly(job: Job, command: list[str]) -> None:
     deadline = time.monotonic() + 60
     while launch.stat().st_mtime_ns == before and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def launcher(job: Job, command: str) -> str:
+    """`join`, `leave` or `stop` for the job: its one line of output (exit 0)."""
+    import subprocess
+
+    from elastic_qa.launcher.processes import python_env
+
+    result = subprocess.run(
+        [sys.executable, "-m", "elastic_qa.launcher.local", command, "--run-dir", str(job.run_dir)],
+        capture_output=True, text=True, env=python_env(), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    return line
+
+
+def wait_until(condition, what: str, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)
+
+
+def first_step_at_world(job: Job, world: int, timeout: float = 180) -> int:
+    """Wait for rank 0 to log a step at this world size: the regroup is done."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = [
+            e["step"] for e in read_events(job.run_dir) if e["event"] == "step" and e["world_size"] == world
+        ]
+        if steps:
+            return steps[0]
+        assert job.process is not None and job.process.poll() is None, "the launcher exited"
+        time.sleep(0.2)
+    raise AssertionError(f"no step at world size {world} within {timeout} s")
+
+
+def test_join_and_leave_say_what_they_did_and_a_requested_stop_that_saved_exits_0(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=1, max_nodes=2)
+    job.start()
+    try:
+        job.wait_for_step(3)
+        joined = launcher(job, "join")
+        assert joined.startswith("joined: agent 1 (pid ") and "the job regroups at 2 agents" in joined
+        first_step_at_world(job, 2)
+        left = launcher(job, "leave")
+        assert left.startswith("leaving: agent 1 (pid ") and "the job regroups at 1 agent (1 worker" in left
+        job.wait_for_step(first_step_at_world(job, 1) + 2)
+        wait_until(lambda: len(job.live_agents()) == 1, "the agent that left exits")
+        assert launcher(job, "stop").startswith("stopping: SIGTERM to 1 agent (pid ")
+        code = job.wait(timeout=90)
+    finally:
+        job.kill_everything()
+    output = (run_dir / "chaos" / "launcher.log").read_text()
+    assert code == 0, output[
+        -3000:
+    ]  # it was 1: "the job ended before its last step (agents stopped or failed"
+    saved = store.list_steps()[-1].step
+    stopping = [e for e in read_events(run_dir) if e["event"] == "stopping" and e["rank"] == 0]
+    assert saved == stopping[-1]["step"]
+    # `leave` signalled rank 1 only: rank 0 names that stop too (it said "(None)").
+    assert all(isinstance(e["signal"], str) for e in stopping), stopping
+    assert "(None)" not in output
+    assert f"stopped by `stop` and saved, resumable: saved step {saved}; resume with: " in output

@@ -91,3 +91,20 @@ def test_the_command_refused_by_its_network_plan_exits_2_and_starts_nothing(clus
     assert result.returncode == 2
     assert "--store-host" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_peer_whose_store_never_answers_waits_a_bounded_time_and_says_for_what(
+    cluster, tmp_path: Path, cache_dir: Path
+) -> None:
+    """Host 1 serves no store: host 0's node says it waits for it, and gives up after --store-timeout with
+    one line naming the endpoint (its agent used to retry for minutes and die in a C++ frame dump)."""
+    result = on_host(
+        cluster, "-m", "elastic_qa.launcher.node", "--endpoint=10.91.0.2:29400", "--store-timeout=2",
+        "--config=tiny", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events] == ["node_start", "waiting_for_store", "node_end"]
+    assert events[1]["endpoint"] == "10.91.0.2:29400"
+    (said,) = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert "no c10d store answered at 10.91.0.2:29400 within 2 s" in said
