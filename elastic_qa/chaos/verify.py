@@ -238,6 +238,6 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
         {"requested": requested, "injected": injected, "skipped": skipped},
     )
 
-    ok, detail = _reference_comparison(cfg, all_events, reference_dir)
-    verdict.add("matches_reference", ok, detail)
+    ok, comparison = _reference_comparison(cfg, all_events, reference_dir)
+    verdict.add("matches_reference", ok, comparison)
     return verdict

@@ -72,9 +72,9 @@ def _byte_bpe(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.post_processor = processors.RobertaProcessing(
-        ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")), trim_offsets=True
-    )
+    sep, cls = tokenizer.token_to_id("</s>"), tokenizer.token_to_id("<s>")
+    assert sep is not None and cls is not None  # the trainer puts every special token in the vocabulary
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", sep), ("<s>", cls), trim_offsets=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
     tokens |= {"cls_token": "<s>", "sep_token": "</s>", "mask_token": "<mask>"}
@@ -110,6 +110,7 @@ def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (
         "intermediate_size": 64,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    config: transformers.PretrainedConfig
     if style == "bert":
         config = BertConfig(max_position_embeddings=max_len, type_vocab_size=2, **sizes)
     else:  # RoBERTa's positions start after the padding id, hence the two extra slots

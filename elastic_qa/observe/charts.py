@@ -158,7 +158,8 @@ def _svg(
     # Beside the title when both fit, else on a row of its own under it.
     row = 16 if 8 + (CHAR + 1) * len(title) + 24 + legend_width <= right else 34
     top += row - 16
-    legend, legend_x = [], right
+    legend: list[str] = []
+    legend_x: float = right
     for s in reversed(entries):
         legend_x -= CHAR * len(s.label) + 30
         legend.append(
