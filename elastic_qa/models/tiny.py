@@ -14,8 +14,12 @@ import argparse
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic_qa.data import synthetic
+
+if TYPE_CHECKING:  # the `hf` extra, imported where it is used
+    from tokenizers import Tokenizer
 
 STYLES = ("bert", "roberta")
 
@@ -39,7 +43,7 @@ def corpus(extra_files: Iterable[Path] = ()) -> list[str]:
     return texts
 
 
-def _wordpiece(texts: list[str], vocab_size: int):
+def _wordpiece(texts: list[str], vocab_size: int) -> tuple[Tokenizer, dict[str, str], list[str]]:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -59,7 +63,7 @@ def _wordpiece(texts: list[str], vocab_size: int):
     return tokenizer, {**tokens, "mask_token": "[MASK]"}, ["input_ids", "token_type_ids", "attention_mask"]
 
 
-def _byte_bpe(texts: list[str], vocab_size: int):
+def _byte_bpe(texts: list[str], vocab_size: int) -> tuple[Tokenizer, dict[str, str], list[str]]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
