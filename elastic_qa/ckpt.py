@@ -77,14 +77,16 @@ def cmd_list(path: str) -> int:
             continue  # pruned since it was listed: no longer a checkpoint of this directory
         manifest = verdict.manifest or {}
         created = manifest.get("created_ts")
-        fresh = isinstance(created, (int, float)) and not isinstance(created, bool)
+        age = "?"
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            age = _age(time.time() - created)
         rows.append(
             (
                 str(info.step),
                 _one_line(manifest.get("epoch", "?"))[:12],
                 _one_line(manifest.get("world_size", "?"))[:12],
                 _size(manifest),
-                _age(time.time() - created) if fresh else "?",
+                age,
                 "yes" if verdict.ok else f"NO: {_one_line(verdict.reason)}",
             )
         )

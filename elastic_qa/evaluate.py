@@ -8,6 +8,7 @@ once (every rank evaluating everything would count each question world-size time
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,7 @@ def predict_windows(
             index = np.arange(first, min(first + batch_size, rows.stop))
             batch = collate(features, index)
             width = batch["input_ids"].shape[1]  # collate trims the batch to its longest window
+            assert features.offsets is not None  # evaluation windows keep their offsets (data.cache)
             offsets = np.asarray(features.offsets[index, :width])
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 start, end = model(**model_inputs(batch, device))
@@ -118,7 +120,7 @@ def predict_windows(
 
 
 def predictions_from_windows(
-    windows: list[WindowPrediction], examples: list[QAExample], null_threshold: float = 0.0
+    windows: list[WindowPrediction], examples: Sequence[QAExample], null_threshold: float = 0.0
 ) -> dict[str, Prediction]:
     """Per question id: the best span over its windows, and "" when its null_odds exceed the threshold.
 
@@ -145,7 +147,7 @@ def predictions_from_windows(
 
 
 def answers_from_windows(
-    windows: list[WindowPrediction], examples: list[QAExample], null_threshold: float = 0.0
+    windows: list[WindowPrediction], examples: Sequence[QAExample], null_threshold: float = 0.0
 ) -> dict[str, str]:
     """Per question id: its answer text ("" for no answer)."""
     return {qid: p.answer for qid, p in predictions_from_windows(windows, examples, null_threshold).items()}
@@ -176,7 +178,7 @@ def predict(
     model: nn.Module,
     family: ModelFamily,
     features: Features,
-    examples: list[QAExample],
+    examples: Sequence[QAExample],
     batch_size: int,
     max_answer_len: int,
     device: torch.device,
@@ -212,7 +214,7 @@ def evaluate(
     model: nn.Module,
     family: ModelFamily,
     features: Features,
-    examples: list[QAExample],
+    examples: Sequence[QAExample],
     batch_size: int,
     max_answer_len: int,
     device: torch.device,

@@ -23,7 +23,9 @@ _NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.mo
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Trainable parameters to weight-decay, and the rest, by the module that holds them (in model order)."""
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) in seen or not param.requires_grad:

@@ -67,7 +67,7 @@ class TrainState:
         ctx: DistContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,  # optim.build_scheduler's (retarget_schedule needs it)
         scaler: torch.amp.GradScaler | None,
         cursor: GlobalCursor,
         vocabulary: str | None = None,

@@ -29,7 +29,7 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.store import open_store
 from elastic_qa.config import CheckpointConfig, Config, resolve_config
 from elastic_qa.models import family_for
 from elastic_qa.optim import build_optimizer
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         state, params = training_state(cfg)
         root.mkdir(parents=True, exist_ok=True)
         target = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))  # fresh: no earlier step to collide
-        store = CheckpointStore(str(target))
+        store = open_store(str(target))
         checkpointer = Checkpointer(CheckpointConfig(async_=True, keep_last=2), store)
         figures: dict[str, list[float]] = {"stall": [], "async_total": [], "sync": []}
         print(f"[checkpoint] {name}: {params:,} parameters ...", flush=True)

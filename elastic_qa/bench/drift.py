@@ -24,7 +24,7 @@ from elastic_qa.bench.common import (
 from elastic_qa.bench.runs import bench_config, run_logged, torchrun, worker_env
 from elastic_qa.chaos.evidence import parameter_difference
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.store import open_store
 from elastic_qa.config import CheckpointConfig
 
 
@@ -80,7 +80,7 @@ def train(run_dir: Path, world: int, args: argparse.Namespace, *extra: str, chec
 
 
 def milestones(run_dir: Path) -> dict[int, dict]:
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     checkpointer = Checkpointer(CheckpointConfig(), store)
     return {info.step: checkpointer.load_step(info.path, info.step).model for info in store.list_steps()}
 

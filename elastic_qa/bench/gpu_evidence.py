@@ -82,7 +82,11 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
             f"the killed worker reached step {reached}",
         )
     losses = [e["loss"] for e in of(events, "step") if "loss" in e]
-    check("every logged loss is finite", losses and all(math.isfinite(x) for x in losses), f"{losses[-3:]}")
+    check(
+        "every logged loss is finite",
+        bool(losses) and all(math.isfinite(x) for x in losses),
+        f"{losses[-3:]}",
+    )
     done = of(new, "train_done")
     check("training reached the last step", bool(done) and done[-1].get("step") == steps)
     cfg = run_config(run_dir)
@@ -90,7 +94,7 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
     check("each sample was used exactly once per epoch", ledger.ok, "; ".join(ledger.problems[:3]))
     scaler = {}
     if precision == "fp16" and resume:
-        scaler = scaler_restored(cfg, resumed, resume[0].get("grad_scaler"), check)
+        scaler = scaler_restored(cfg, resume[0]["step"], resume[0].get("grad_scaler"), check)
     new_steps = of(new, "step")
     stall = [e["blocking_seconds"] for e in commits]
     breakdowns = of(events, "step_breakdown")

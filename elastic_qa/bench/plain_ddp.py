@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 
     data = prepare(cfg, family_for(cfg.model))
     per_rank = cfg.train.global_batch_size // world
-    sampler = DistributedSampler(Indices(len(data.train)), world, rank, shuffle=True, seed=cfg.run.seed)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Indices(len(data.train)), world, rank, shuffle=True, seed=cfg.run.seed
+    )
     loader = DataLoader(
         Indices(len(data.train)),
         batch_size=per_rank,

@@ -89,7 +89,7 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         before = {row["pid"] for row in follower.new_events() if "pid" in row}
         victim = next((a for a in job.live_agents() if not a["is_host"]), None)
         workers = job.workers(victim) if victim else []
-        if not workers:
+        if victim is None or not workers:
             raise BenchError(f"{variant}: no worker of a non-host agent to kill (logs: {run_dir})")
         victims = workers[:1] if case == "worker" else [victim["pid"], *workers]
         killed = time.time()

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 from collections import Counter
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import yaml
 
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.store import CheckpointStore, open_store
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.observe.ledger import effective_order, read_ledger
@@ -90,7 +91,7 @@ def check_ledger(run_dir: Path, cfg: Config, num_samples: int) -> LedgerVerdict:
 
 
 def checkpoint_store(cfg: Config) -> CheckpointStore:
-    return CheckpointStore(cfg.checkpoint_dir)
+    return open_store(cfg.checkpoint_dir)
 
 
 @dataclass
@@ -180,7 +181,7 @@ def is_corrupted_copy(copy: Copy, corruptions: list[tuple[int, float]]) -> bool:
 
 
 def check_checkpoints(
-    cfg: Config, exclude: set[int] = frozenset(), corruptions: list[tuple[int, float]] = ()
+    cfg: Config, exclude: Set[int] = frozenset(), corruptions: Sequence[tuple[int, float]] = ()
 ) -> list[str]:
     """Every committed checkpoint in place verifies and loads (but `exclude`, and copies that were
     corrupted on purpose: (step, when) in `corruptions`, while a later commit of the step must verify);

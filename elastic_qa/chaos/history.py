@@ -40,6 +40,7 @@ registration.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,8 @@ def done_claims(
             claims.append(Claim("the main job (exit 0)", main_attempts, action["ts"]))
         elif action.get("action") == "second_job_exit":
             pid = action.get("pid")
-            attempts = {started[pid]} if started.get(pid) is not None else set()
+            attempt = started.get(pid)
+            attempts = {attempt} if attempt is not None else set()
             claims.append(Claim(f"second job pid {pid} (exit 0)", attempts, action["ts"]))
     return claims
 
@@ -147,13 +149,13 @@ def check_fencing(
                 f"{where} step {copy.step} by attempt {copy.attempt} was written "
                 f"{copy.created_ts - since:.2f}s after a newer attempt registered: a stale writer committed"
             )
-    late: Counter[tuple[int, int]] = Counter()
+    late: Counter[tuple[int, int | None]] = Counter()  # (attempt, pid)
     for event in events:
         if event.get("event") != "checkpoint_committed":
             continue
         since = superseded_at(event.get("attempt"))
         if since is not None and event["ts"] > since + SLACK_S:
-            late[(event.get("attempt"), event.get("pid"))] += 1
+            late[(event["attempt"], event.get("pid"))] += 1  # an attempt: superseded_at found it newer
     for (attempt, pid), count in sorted(late.items()):
         if count > 1:
             problems.append(
@@ -196,7 +198,7 @@ def check_nothing_lost(
     events: list[dict[str, Any]],
     keep_last: int,
     keep_every_steps: int,
-    blind: list[tuple[float, float]] = (),
+    blind: Sequence[tuple[float, float]] = (),
 ) -> list[str]:
     """(4): replay the history of commits (`checkpoint_committed` lines, and the manifests of the copies
     still on disk) and quarantines (the time in a quarantined copy's REJECTED.json; at the end when

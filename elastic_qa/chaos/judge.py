@@ -74,8 +74,9 @@ def storage_windows(faults: list[dict], actions: list[dict]) -> list[tuple[float
         if fault.get("skipped") or fault.get("fault") not in ("storage-errors", "final-storage-errors"):
             continue
         mine = min(opened, key=lambda a: abs(a["ts"] - fault["ts"]), default=None)
-        near = mine is not None and abs(mine["ts"] - fault["ts"]) < 5
-        end = closed.get((mine.get("flag"), mine.get("window"))) if near else None
+        end = None
+        if mine is not None and abs(mine["ts"] - fault["ts"]) < 5:  # its own flag: created within 5 s of it
+            end = closed.get((mine.get("flag"), mine.get("window")))
         if end is None:
             end = fault["ts"] + fault.get("fail_for_s", float("inf"))
         windows.append((fault["ts"], end))

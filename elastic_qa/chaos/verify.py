@@ -126,7 +126,9 @@ def requested_faults(run_dir: Path, faults: list[dict]) -> int:
     return len(faults)
 
 
-def _reference_comparison(cfg, events, reference_dir: Path | None) -> tuple[bool, dict[str, Any]]:
+def _reference_comparison(
+    cfg: Config, events: list[dict[str, Any]], reference_dir: Path | None
+) -> tuple[bool, dict[str, Any]]:
     if reference_dir is None:
         return True, {"skipped": "no reference run"}
     ref_cfg = run_config(reference_dir)
@@ -238,6 +240,6 @@ def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
         {"requested": requested, "injected": injected, "skipped": skipped},
     )
 
-    ok, detail = _reference_comparison(cfg, all_events, reference_dir)
-    verdict.add("matches_reference", ok, detail)
+    ok, comparison = _reference_comparison(cfg, all_events, reference_dir)
+    verdict.add("matches_reference", ok, comparison)
     return verdict

@@ -214,6 +214,7 @@ class Checkpointer:
         if not verdict.ok:
             raise CheckpointError(verdict.reason)
         manifest = verdict.manifest
+        assert manifest is not None  # an ok verdict always carries the manifest it verified
         loaded = {name: self.store.load_file(info_path, manifest, name) for name in STATE_FILES}
         for name, value in loaded.items():
             if not isinstance(value, dict):

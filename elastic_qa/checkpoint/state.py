@@ -54,7 +54,9 @@ def cpu_copy(obj: Any) -> Any:
 def rng_state() -> dict[str, Any]:
     """This process's generators: python, numpy, torch CPU and CUDA (when present)."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)  # the default, spelled out for the type checker
+    assert isinstance(numpy_state, tuple)  # never the dict form: the global generator is always MT19937
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],

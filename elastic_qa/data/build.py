@@ -226,10 +226,10 @@ class Workers:
                 self._start_helpers()
             for helper in self.helpers:
                 helper.collect()
-            helper = self._with_room()
-            if helper is not None:
-                helper.send(chunk, evaluation)
-                pending.append(helper)
+            chosen = self._with_room()
+            if chosen is not None:
+                chosen.send(chunk, evaluation)
+                pending.append(chosen)
             else:  # one worker, the first few chunks (not worth a process), or every helper is busy
                 self.inline += 1
                 pending.append(work(chunk, self.featurizer, self.cfg, evaluation))
@@ -255,7 +255,7 @@ def _kept(features: Features, keep: list[bool]) -> Features:
     mask = np.asarray(keep)
     renumber = np.cumsum(mask) - 1
     rows = mask[features.example_index]
-    columns = {
+    columns: dict[str, Any] = {  # the Features fields: arrays, or None for absent offsets
         c: None if getattr(features, c) is None else getattr(features, c)[rows] for c in Features.COLUMNS
     }
     columns["example_index"] = renumber[features.example_index[rows]].astype(np.int32)

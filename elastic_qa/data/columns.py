@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 
 from elastic_qa.data.squad import Answer, QAExample
 
 _HEADER_BYTES = 128  # magic (6) + version (2) + length (2) + the header dict, space-padded
 
 
-def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+def npy_header(dtype: npt.DTypeLike, shape: tuple[int, ...]) -> bytes:
     """A version 1.0 `.npy` header of exactly _HEADER_BYTES bytes."""
     descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
     text = repr({"descr": descr, "fortran_order": False, "shape": shape})
@@ -34,7 +35,7 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 class ColumnWriter:
     """One `.npy` file grown by appending rows of a fixed shape and dtype."""
 
-    def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+    def __init__(self, path: Path, dtype: npt.DTypeLike, row_shape: tuple[int, ...]) -> None:
         self.path, self.dtype, self.row_shape = path, np.dtype(dtype), row_shape
         self.rows = 0
         self._file = open(path, "wb")  # noqa: SIM115 (closed by close(), after the last append)

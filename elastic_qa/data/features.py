@@ -77,7 +77,7 @@ class BuiltinFeaturizer:
     def cache_identity(cfg: Config) -> dict[str, Any]:
         data = cfg.data
         trained = data.tokenizer == "word" or (data.tokenizer == "wordpiece" and not data.vocab_file)
-        identity = {
+        identity: dict[str, Any] = {
             "tokenizer": data.tokenizer,
             "vocab_size": data.vocab_size if trained else None,
             "lowercase": data.lowercase if trained else None,
@@ -134,8 +134,8 @@ def build_features(
             c_ids, c_spans = np.asarray(ids, np.int64), np.asarray(spans, np.int64).reshape(-1, 2)
         answer = None
         if example.answers and len(c_ids):
-            first = example.answers[0]
-            answer = _answer_tokens(c_spans, first.start, first.start + len(first.text))
+            given = example.answers[0]
+            answer = _answer_tokens(c_spans, given.start, given.start + len(given.text))
         head = len(q_ids) + 2
         room = max_seq_len - head - 1
         window_start = 0

@@ -64,7 +64,9 @@ class TextStream:
     def peek(self) -> str:
         """The next character that is not whitespace ("" at the end of the text)."""
         while True:
-            self.pos = _SPACE.match(self.buf, self.pos).end()
+            space = _SPACE.match(self.buf, self.pos)
+            assert space is not None  # the pattern matches the empty string, so anywhere
+            self.pos = space.end()
             if self.pos < len(self.buf) or self.eof:
                 return self.buf[self.pos : self.pos + 1]
             self._read(self.chunk)

@@ -25,6 +25,7 @@ import runpy
 import socket
 import sys
 from datetime import timedelta
+from typing import TypedDict
 
 from torch.distributed import TCPStore
 
@@ -48,6 +49,17 @@ def loopback_listener(host: str, port: int) -> socket.socket | None:
     return listener
 
 
+class _StoreOptions(TypedDict):
+    """TCPStore's keyword arguments that both of LoopbackTCPStore's calls pass on unchanged."""
+
+    world_size: int | None
+    is_master: bool
+    timeout: timedelta
+    wait_for_workers: bool
+    multi_tenant: bool
+    use_libuv: bool
+
+
 class LoopbackTCPStore(TCPStore):
     """A TCPStore whose server, when asked for on a loopback address, listens on that address only."""
 
@@ -63,7 +75,7 @@ class LoopbackTCPStore(TCPStore):
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
     ) -> None:
-        options = {
+        options: _StoreOptions = {
             "world_size": world_size,
             "is_master": is_master,
             "timeout": timeout,
@@ -107,7 +119,7 @@ def install() -> None:
         module = importlib.import_module(name)
         if getattr(module, "TCPStore", None) not in (TCPStore, LoopbackTCPStore):
             raise RuntimeError(f"{module.__name__} no longer creates its stores as TCPStore")
-        module.TCPStore = LoopbackTCPStore
+        setattr(module, "TCPStore", LoopbackTCPStore)  # noqa: B010 (ModuleType declares no TCPStore)
 
 
 def main(argv: list[str]) -> None:

@@ -17,6 +17,7 @@ import elastic_qa
 PR_SET_PDEATHSIG = 1
 # Looked up once, here: a child between fork and exec must not load libraries (another thread may have
 # held the loader's lock at the fork).
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux

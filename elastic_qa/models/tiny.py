@@ -14,8 +14,12 @@ import argparse
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic_qa.data import synthetic
+
+if TYPE_CHECKING:  # the `hf` extra, imported where it is used
+    from tokenizers import Tokenizer
 
 STYLES = ("bert", "roberta")
 
@@ -39,7 +43,7 @@ def corpus(extra_files: Iterable[Path] = ()) -> list[str]:
     return texts
 
 
-def _wordpiece(texts: list[str], vocab_size: int):
+def _wordpiece(texts: list[str], vocab_size: int) -> tuple[Tokenizer, dict[str, str], list[str]]:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -59,7 +63,7 @@ def _wordpiece(texts: list[str], vocab_size: int):
     return tokenizer, {**tokens, "mask_token": "[MASK]"}, ["input_ids", "token_type_ids", "attention_mask"]
 
 
-def _byte_bpe(texts: list[str], vocab_size: int):
+def _byte_bpe(texts: list[str], vocab_size: int) -> tuple[Tokenizer, dict[str, str], list[str]]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -72,9 +76,9 @@ def _byte_bpe(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.post_processor = processors.RobertaProcessing(
-        ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")), trim_offsets=True
-    )
+    sep, cls = tokenizer.token_to_id("</s>"), tokenizer.token_to_id("<s>")
+    assert sep is not None and cls is not None  # the trainer puts every special token in the vocabulary
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", sep), ("<s>", cls), trim_offsets=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
     tokens |= {"cls_token": "<s>", "sep_token": "</s>", "mask_token": "<mask>"}
@@ -110,6 +114,7 @@ def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (
         "intermediate_size": 64,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    config: transformers.PretrainedConfig
     if style == "bert":
         config = BertConfig(max_position_embeddings=max_len, type_vocab_size=2, **sizes)
     else:  # RoBERTa's positions start after the padding id, hence the two extra slots

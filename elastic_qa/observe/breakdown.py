@@ -132,7 +132,7 @@ class StepTimer:
         step_s = statistics.median(float(r[0]) for r in rows)
         data_share = max(float(r[1]) for r in rows) / step_s
         comm_share = statistics.median(float(r[2]) for r in rows) / step_s
-        busy = [float(r[3]) for r in rows]
+        busy_s = [float(r[3]) for r in rows]
         findings = []
         if data_share > DATA_BOUND:
             findings.append(
@@ -145,14 +145,14 @@ class StepTimer:
                 "for a small model); more work per rank and step (a larger train.global_batch_size) or "
                 "dist.comm_hook=bf16 raises samples/s"
             )
-        if len(busy) >= 2:
-            median = statistics.median(busy)
-            slow = {rank for rank, b in enumerate(busy) if median > 0 and b > (1 + STRAGGLER) * median}
+        if len(busy_s) >= 2:
+            median = statistics.median(busy_s)
+            slow = {rank for rank, b in enumerate(busy_s) if median > 0 and b > (1 + STRAGGLER) * median}
             self._suspects = {rank: self._suspects.get(rank, 0) + 1 for rank in slow}
             for rank, windows in self._suspects.items():
                 if windows >= 2:
                     findings.append(
-                        f"straggler: rank {rank} busy {busy[rank] / median - 1:.0%} longer than the "
+                        f"straggler: rank {rank} busy {busy_s[rank] / median - 1:.0%} longer than the "
                         "median rank"
                     )
         for finding in findings:

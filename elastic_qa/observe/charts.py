@@ -7,8 +7,8 @@ from __future__ import annotations
 import html
 import itertools
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from elastic_qa.observe.ticks import log_ticks, nice_ticks, padded_range, tick_labels
 
@@ -96,7 +96,7 @@ def _axis(
     )
 
 
-def line_chart(title: str, series: Sequence[Series], x_label: str, y_label: str, **options) -> str:
+def line_chart(title: str, series: Sequence[Series], x_label: str, y_label: str, **options: Any) -> str:
     """One chart as a <figure> whose <svg> scales to the container's width. Options: `log_y`, `x_range`
     and `y_range` (fixed axis ranges), `markers`, `gaps` (x intervals shaded, which no line crosses)
     with `gap_label`, `step_lines` (levels: a count held until the next point), `height`, and `wide`:
@@ -158,7 +158,8 @@ def _svg(
     # Beside the title when both fit, else on a row of its own under it.
     row = 16 if 8 + (CHAR + 1) * len(title) + 24 + legend_width <= right else 34
     top += row - 16
-    legend, legend_x = [], right
+    legend: list[str] = []
+    legend_x: float = right
     for s in reversed(entries):
         legend_x -= CHAR * len(s.label) + 30
         legend.append(
@@ -231,7 +232,13 @@ def _svg(
     return "".join(parts)
 
 
-def _draw_series(s: Series, px, py, gaps: Sequence[tuple[float, float]], step_lines: bool) -> list[str]:
+def _draw_series(
+    s: Series,
+    px: Callable[[float], float],
+    py: Callable[[float], float],
+    gaps: Sequence[tuple[float, float]],
+    step_lines: bool,
+) -> list[str]:
     if not s.points:
         return []
     points = sorted(s.points)

@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO, cast
 
 import structlog
+from structlog.typing import EventDict
 
 from elastic_qa.network import peer_facing_address
 
@@ -36,7 +37,7 @@ _lock = threading.Lock()
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def _add_static(_logger: Any, _method: str, event_dict: dict) -> dict:
+def _add_static(_logger: Any, _method: str, event_dict: EventDict) -> EventDict:
     for key, value in _STATIC.items():
         event_dict.setdefault(key, value)
     event_dict["ts"] = round(time.time(), 6)
@@ -105,13 +106,16 @@ class _JsonLinesFile:
             self._fragment, self._torn = True, 0
         if self._fragment:
             text = "\n" + text
+        # `_text` is isinstance(stream, io.TextIOBase), taken once: the casts only tell the type checker.
         if self._text:
-            self.stream.write(text)
-            self.stream.flush()
+            text_stream = cast(TextIO, self.stream)
+            text_stream.write(text)
+            text_stream.flush()
         else:
+            binary_stream = cast(BinaryIO, self.stream)
             data = memoryview(text.encode("utf-8"))
             while data:
-                written = self.stream.write(data)
+                written = binary_stream.write(data)
                 if written is None:  # a non-blocking stream that would block
                     raise OSError(errno.EAGAIN, "log stream would block", self.name)
                 self._torn += written
@@ -161,7 +165,7 @@ _SAID_BY_CALLER = frozenset(
 )
 
 
-def _echo_problems(logger: Any, method: str, event_dict: dict) -> dict:
+def _echo_problems(logger: Any, method: str, event_dict: EventDict) -> EventDict:
     if event_dict.get("event") in _SAID_BY_CALLER:
         return event_dict
     if method in ("warning", "error", "critical", "exception") and isinstance(logger, _JsonLinesFile):
@@ -247,7 +251,7 @@ def configure_terminal_logging() -> None:
     """For commands a person runs (the launcher, `elastic-qa prepare`): warnings and errors of in-process
     work as one plain line each on stderr, info events not at all (no JSON beside the command's output)."""
 
-    def sentence(_logger: Any, method: str, event_dict: dict) -> str:
+    def sentence(_logger: Any, method: str, event_dict: EventDict) -> str:
         event = event_dict.pop("event", "")
         fields = ", ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("level", "ts", "time"))
         return f"elastic-qa: {method}: {event}" + (f" ({fields})" if fields else "")
