@@ -2,9 +2,11 @@
 
 Order at start-up, so that a start refused as bad input writes nothing:
     restore()   rank 0 picks the newest checkpoint that verifies, every rank loads it (reads only)
-    register()  rank 0 claims the next attempt number (fencing), clears what older attempts left (their
-                staging, the checkpoints rejected at restore) and restores again if a checkpoint newer than
-                the restored one was committed meanwhile by a group that was still running
+    register()  rank 0 takes the run's hold (hold.py: refused while another live job holds it, so that a
+                second job never fences a live one), claims the next attempt number (fencing), clears
+                what older attempts left (their staging, the checkpoints rejected at restore) and restores
+                again if a checkpoint newer than the restored one was committed meanwhile by a group that
+                was still running
 Saves: periodic (async, storage errors tolerated for checkpoint.give_up_after), stop and emergency (retried
 for checkpoint.emergency_retry_for), final (retried for checkpoint.final_retry_for; the job is done only
 once it is committed and verified).
@@ -33,6 +35,7 @@ from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.fencing import Fence
+from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.state import ResumeError, TrainState, gather_rng_states
 
@@ -58,6 +61,7 @@ class CheckpointSession:
             final_timeout = cfg.checkpoint.final_retry_for + cfg.dist.timeout + timedelta(minutes=1)
             self.final_group = dist.new_group(backend="gloo", timeout=final_timeout)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"single-{uuid.uuid4().hex[:12]}"
+        self.hold = RunHold(cfg.checkpoint_dir, self.run_id, cfg.run.dir, fs=self.store.fs)
         self.attempt = 0
         self.rejected: list[Rejection] = []
         self.restored: LoadedCheckpoint | None = None
@@ -133,8 +137,29 @@ class CheckpointSession:
         except (OSError, ValueError):
             return None
 
+    def _take_hold(self) -> None:
+        """Rank 0 takes the run's hold for this job, naming every rank's worker and agent; raises
+        RunHeldError on every rank when another live job holds it (nothing written, no one fenced)."""
+        processes = local_processes()
+        if self.ctx.distributed:
+            gathered: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(gathered, processes, group=self.control_group)
+            processes = [process for rank in gathered for process in rank]
+        refused, message = torch.zeros(1, dtype=torch.int64), ""
+        if self.ctx.is_main:
+            try:
+                self.hold.acquire(unique(processes), self.log)
+                self.hold.start_heartbeat(self.log)
+            except RunHeldError as err:
+                refused[0], message = 1, str(err)
+        if self.ctx.distributed:
+            dist.broadcast(refused, src=0, group=self.control_group)
+        if refused[0]:
+            raise RunHeldError(message or "another live job holds this run (rank 0's stderr names it)")
+
     def register(self) -> int:
         """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""
+        self._take_hold()
         info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
         if self.ctx.is_main:
             info[0] = self.fence.register(self.ctx.world_size)
@@ -289,6 +314,8 @@ class CheckpointSession:
                 f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
             )
         self.checkpointer.wait()
+        if self.ctx.is_main:  # done: the run is free for the next start without any liveness check
+            self.hold.release()
 
     def _quarantine_damaged(self) -> None:
         """Leave a store in which every listed checkpoint verifies: one damaged since it was written (bit
