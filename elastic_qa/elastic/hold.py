@@ -48,6 +48,9 @@ STALE_S = 120.0  # no heartbeat for this long: a holder on another host is taken
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
+REFUSED_LINE = "is held by a live job"  # in every refusal: how a tool tells it from other exits 2
+
+
 class RunHeldError(Exception):
     """Another live job holds the run: this start must not go on (exit 2, never fencing that job)."""
 
@@ -123,7 +126,7 @@ def refusal(url: str, holder: HoldRecord, verdict: Verdict) -> str:
             f"node --rdzv-id {holder.run_id} with its endpoint"
         )
     return (
-        f"{url} is held by a live job: {holder.describe()}; alive because {verdict.why}. Nothing was "
+        f"{url} {REFUSED_LINE}: {holder.describe()}; alive because {verdict.why}. Nothing was "
         f"changed; {join}; to start anew, stop it first or use another checkpoint.dir"
     )
 
