@@ -15,6 +15,7 @@ once it is committed and verified).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -142,9 +143,7 @@ class CheckpointSession:
         RunHeldError on every rank when another live job holds it (nothing written, no one fenced)."""
         processes = local_processes()
         if self.ctx.distributed:
-            gathered: list[Any] = [None] * self.ctx.world_size
-            dist.all_gather_object(gathered, processes, group=self.control_group)
-            processes = [process for rank in gathered for process in rank]
+            processes = [process for rank in self._gather_json(processes) for process in rank]
         refused, message = torch.zeros(1, dtype=torch.int64), ""
         if self.ctx.is_main:
             try:
@@ -156,6 +155,20 @@ class CheckpointSession:
             dist.broadcast(refused, src=0, group=self.control_group)
         if refused[0]:
             raise RunHeldError(message or "another live job holds this run (rank 0's stderr names it)")
+
+    def _gather_json(self, mine: Any) -> list[Any]:
+        """Every rank's `mine` (plain JSON values), moved as bytes and read with json: never unpickled."""
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ctx.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.control_group)
+        padded = torch.zeros(int(max(size.item() for size in sizes)), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=self.control_group)
+        return [
+            json.loads(part[: int(size.item())].numpy().tobytes())
+            for part, size in zip(parts, sizes, strict=True)
+        ]
 
     def register(self) -> int:
         """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""
