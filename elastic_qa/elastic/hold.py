@@ -12,7 +12,8 @@ it: each rank's worker and its torchrun agent (host, boot id, pid, start time; s
   another host) takes the hold over, keeping `since`.
 - Another run id: refused (RunHeldError, exit 2, one line naming the live job and how to join it) unless
   every process of the holder is provably gone: on this host its pid no longer runs or runs with another
-  start time, or the host rebooted; on another host its heartbeat is older than STALE_S. A job that died
+  start time, or the host rebooted; on another host its heartbeat is older than STALE_S (the hosts'
+  clocks must agree to well within that: the heartbeat is the holder's wall clock). A job that died
   (killed, crashed, stopped) is gone as soon as its processes are, so a restart resumes at once.
 - Two starts at one moment: each writes its record, then lists the holders; the one that holds since
   later (run id as tie-break) withdraws. Like fencing, this needs no atomic create, only a listing that
