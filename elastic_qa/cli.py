@@ -66,7 +66,11 @@ def _featurizer(cfg: Config) -> Featurizer | None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.overrides)
     started = time.perf_counter()
-    data = prepare(cfg, _featurizer(cfg), workers=args.workers)
+    try:
+        data = prepare(cfg, _featurizer(cfg), workers=args.workers)
+    except KeyboardInterrupt:  # a build in progress took its staging directory along: nothing half-made
+        print("elastic-qa: prepare interrupted: no feature cache was published", file=sys.stderr)
+        return 130
     skipped = sum(data.skipped.values())
     print(
         f"cache {data.path}: {len(data.train)} training windows, "

@@ -141,6 +141,9 @@ class DataConfig:
     """Skip malformed SQuAD records with a counted warning instead of failing."""
     prepare_workers: int = 0
     """Processes that tokenise while the feature cache is built (0: one per CPU core); not in the key."""
+    build_wait: timedelta = timedelta(hours=1)
+    """Longest wait for a feature cache that another live process is building (it holds the cache's lease):
+    then the start fails, naming that builder. A builder that is gone never makes anyone wait."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source.strip()), "source", self.source, "must not be empty")
@@ -178,6 +181,12 @@ class DataConfig:
         )
         _require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
         _require(self.prepare_workers >= 0, "prepare_workers", self.prepare_workers, "must be >= 0")
+        _require(
+            self.build_wait.total_seconds() >= 0,
+            "build_wait",
+            format_duration(self.build_wait),
+            "must be >= 0",
+        )
         if self.tokenizer == "wordpiece":
             # find_spec imports nothing: a config is checked in processes that never tokenise.
             _require(

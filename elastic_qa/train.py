@@ -23,6 +23,7 @@ from elastic_qa.data.cache import prepare
 from elastic_qa.data.squad import DataError
 from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
 from elastic_qa.elastic.control import PeerFailure
+from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.elastic.session import FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
@@ -68,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
+    try:  # before this start writes anything into the run (its logs): a live job must not see it
+        RunHold(cfg.checkpoint_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.run.dir).check()
+    except RunHeldError as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception:  # noqa: BLE001 - storage trouble: the hold taken at registration decides
+        pass
     stop = StopRequest()  # set by a signal (once the loop runs) or by the watchdog
     watchdog = AgentWatchdog(
         cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
@@ -108,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_main and "em" in result:  # stdout may be a closed pipe or a dead terminal by now
             print_safely(f"final: step {result['step']}  {em_f1_text(result['em'], result['f1'])}")
         return 0
+    except RunHeldError as err:  # not bad_input: the live job's launcher must not count it as its own
+        log.warning("run_held", error=str(err))
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (DataError, ResumeError, ConfigError) as err:
         log.error("bad_input", error=str(err))
         print(f"elastic-qa: {err}", file=sys.stderr)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
+from elastic_qa.elastic.hold import REFUSED_LINE
 from elastic_qa.launcher.processes import alive, python_env
 from elastic_qa.observe.follow import read_events
 
@@ -319,12 +320,13 @@ class Injector:
 
     # ---- a second job -------------------------------------------------------------------------------
     def _second_job(self, fault: Fault) -> tuple[dict, threading.Event]:
-        """A single-process job on the same config and run directory: fencing must let only the newest
-        registered attempt commit. It is stopped (SIGKILL) after `for=` seconds if still running.
+        """A single-process job on the same config and run directory: the live main job holds its run, so
+        the second job must be refused (exit 2, its line naming the main job) and fence nothing. It is
+        stopped (SIGKILL) after `for=` seconds if still running.
 
-        Returns once the second job has registered its attempt (a few seconds: it imports torch and
-        loads the data first). If the main job reached max_steps first, there was nothing to race: the
-        second job is stopped and the fault is recorded as skipped.
+        Returns once the second job was refused or registered an attempt (a few seconds: it imports torch
+        first); a registration is judged a failure. If the main job reached max_steps first, there was
+        nothing to race: the second job is stopped and the fault is recorded as skipped.
         """
         lifetime = fault.duration or 60.0
         index = len(self.second_jobs) + 1
@@ -367,6 +369,10 @@ class Injector:
         }
         while (attempt := registered_attempt(self.job.run_dir, process.pid)) is None:
             if ended.is_set():
+                said = out_path.read_text(errors="replace") if out_path.exists() else ""
+                refused = [line for line in said.splitlines() if REFUSED_LINE in line]
+                if process.returncode == 2 and refused:
+                    return {**record, "refused": refused[-1][-600:]}, ended
                 return {
                     **record,
                     "skipped": f"the second job exited {process.returncode} before registering",

@@ -127,10 +127,10 @@ def judge_faults(
             continue
         duration = fault.get("thaw_after_s", fault.get("fail_after_max_steps_s"))
         if fault["fault"] == "second-job" and _finished_before(fault, ev):
-            # The main job had committed its final step before the second one registered: nothing of
-            # the main job's was left to fence, so no restart. The second job is still judged.
+            # The main job had committed its final step before the second one registered: the run was
+            # free, so the second job may run. It is still judged.
             row["note"] = "the main job had committed its final step before the second job registered"
-            _judge_second_job(row, fault, ev)
+            _judge_second_job(row, fault, ev, done_first=True)
         elif (
             fault["fault"] == "join-node" and (ended := _ended_before_admission(fault, runs, ev)) is not None
         ):
@@ -307,33 +307,38 @@ def _judge_corrupt_replay(row: dict, fault: dict, new: dict, ev: Evidence) -> No
         row.update(verdict="FAIL", note="; ".join(problems))
 
 
-def _judge_second_job(row: dict, fault: dict, ev: Evidence) -> None:
+def _judge_second_job(row: dict, fault: dict, ev: Evidence, done_first: bool = False) -> None:
+    """A second job on a live run must be refused (exit 2, never registering: it fences nothing); one that
+    started after the main job was done may run (it finds the final state, exit 0)."""
     pid = fault.get("pid")
     mine = [e for e in ev.all_events if e.get("pid") == pid]
     attempt = next((e.get("attempt") for e in mine if e.get("event") == "worker_start"), None)
     exits = [a for a in ev.actions if a.get("action") == "second_job_exit" and a.get("pid") == pid]
     code = exits[-1].get("exit_code") if exits else None
-    fenced = any(e.get("event") in ("checkpoint_fenced", "checkpoint_fatal") for e in mine)
     errors = [e.get("error") for e in mine if e.get("event") in ("worker_crash", "bad_input")]
-    ran = (row["note"] + "; " if row["note"] else "") + f"second job pid {pid} (attempt {attempt}) "
-    if code == 1 and fenced:
-        row["note"] = ran + "was fenced and exited 1"
-    elif code == 0:
-        row["note"] = ran + "finished (exit 0)"
-    elif code is not None and code < 0 and "run is over" not in str(exits[-1].get("why")):
+    ran = (row["note"] + "; " if row["note"] else "") + f"second job pid {pid} "
+    if fault.get("refused") and attempt is None and code == 2:
+        row["note"] = ran + "was refused (exit 2): the live job holds its run"
+    elif done_first and code == 0:
+        row["note"] = ran + f"(attempt {attempt}) finished (exit 0)"
+    elif done_first and code is not None and code < 0:
         row["note"] = ran + f"was stopped by the runner ({exits[-1].get('why')})"
-    elif code is not None and code < 0:
-        row["note"] = ran + "was still running when the main job ended"
+    elif attempt is not None:
+        row.update(
+            verdict="FAIL", note=ran + f"registered attempt {attempt} on a live run: it was not refused"
+        )
     else:
         row.update(
             verdict="FAIL",
-            note=ran + f"exited {code} without being fenced" + (f": {errors[0]}" if errors else ""),
+            note=ran + f"exited {code} without being refused" + (f": {errors[0]}" if errors else ""),
         )
 
 
 def _judge_no_restart_kind(row: dict, fault: dict, runs: list[dict], ev: Evidence) -> None:
     kind = fault["fault"]
-    if kind == "log-full":
+    if kind == "second-job":
+        _judge_second_job(row, fault, ev)
+    elif kind == "log-full":
         running = [a for a in runs if a["start"] < fault["ts"]]
         attempt = running[-1]["attempt"] if running else None
         step = fault.get("step") or 0

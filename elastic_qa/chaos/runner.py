@@ -5,10 +5,9 @@ completed at least one step since the previous fault, so faults hit a training g
 onto a regroup in progress, and every recovery can be attributed to the fault that caused it. A fault
 whose target is momentarily absent (no worker during a regroup, no checkpoint yet) is retried every 0.2 s
 until it lands or the job ends. After a fault that restarts the group the runner waits for the new group
-to train (after `second-job`: a group newer than the second job's attempt, that is the main job fenced,
-restarted and registered again); after `log-full` for the end of its window (log lines written meanwhile
-are lost, and the verifier must not need them to attribute a restart). A second job is not waited for:
-it runs on until fenced at its next commit (or stopped after its `for=`), judged by its own lines.
+to train; after `log-full` for the end of its window (log lines written meanwhile are lost, and the
+verifier must not need them to attribute a restart). A second job is waited for until it is refused
+(the live job holds its run) or registers (a failure), and judged by its exit and its own lines.
 
 Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout: an injection has `fault`
 (kind, spec, target, step at injection, wall time); what happens later (a flag removed, a worker thawed,
@@ -218,11 +217,8 @@ class Runner:
         return outcome
 
     def _wait_for_recovery(self, fault: Fault, outcome: dict, attempt_before: int) -> None:
-        """One fault at a time: the next waits until a newer group has trained a step. After a second job,
-        the main group must outnumber the second job's attempt (it is fenced, restarts, re-registers)."""
+        """One fault at a time: the next waits until a newer group has trained a step."""
         after = attempt_before
-        if fault.kind == "second-job":
-            after = max(after, outcome["attempt"])
         limit = max(120.0, 3 * self.dist_timeout_s)
         recovered = self.wait_until(lambda: any(a > after for a in self._main_attempts_with_steps()), limit)
         if not recovered and not self.ended():

@@ -38,10 +38,9 @@ KINDS = (
     "second-job",
 )
 # Faults after which the worker group restarts (and so must recover), and those that must lose nothing.
-# second-job: the main job's next commit is fenced (a newer attempt registered), so its group restarts.
+# second-job restarts nothing: the live job holds its run, so the second job is refused (elastic/hold.py).
 RESTARTING = frozenset(
     {"kill-worker", "kill-node", "term-node", "join-node", "kill-during-save", "hup", "corrupt-replay"}
-    | {"second-job"}
 )
 ZERO_LOSS = frozenset({"term-node", "join-node", "hup"})
 # Faults whose window (`for=`) has a default: freeze length, storage/log error window, the final window

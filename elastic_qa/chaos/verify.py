@@ -24,8 +24,8 @@ Checks (exit code 0 only when all hold):
    - corrupt-replay: the corrupted copy was quarantined (in rejected/, failing verification), the next
      group resumed from an older step and replayed across it, and a copy of that step in place now is a
      newer attempt's replay;
-   - second-job: the main group was fenced and restarted past the second job's attempt, and the second
-     job ended fenced (exit 1), done (exit 0, judged by 4) or stopped by the runner, never otherwise;
+   - second-job: the live main job holds its run, so the second job was refused (exit 2, registering no
+     attempt) and the main group did not restart; one started after the main job was done may run;
 6. every requested fault was injected and could act (a skipped one is listed with the reason: the runner
    found no target, or the job ended first, e.g. before a joining agent was admitted);
 7. the outcome matches a fault-free reference run: bitwise when every attempt ran at the reference's world

@@ -33,7 +33,7 @@ from elastic_qa.data import synthetic
 from elastic_qa.data.build import Workers, build_split, default_workers
 from elastic_qa.data.columns import StoredExamples
 from elastic_qa.data.features import BuiltinFeaturizer, Features
-from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish
+from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish, read_holder
 from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
 from elastic_qa.data.squad import DataError, QAExample
 from elastic_qa.data.wordpiece import VOCAB_FILE
@@ -46,6 +46,7 @@ from elastic_qa.observe.log import get_logger
 #    examples as indexed JSON Lines; token counts in meta.json; inputs may be several files.
 CACHE_FORMAT = 7
 WAIT_POLL_S = 0.2
+WAIT_SAY_S = 30.0  # how often a wait for another builder says so again
 
 
 @dataclass
@@ -241,19 +242,57 @@ def _ready(final: Path) -> bool:
 
 
 def _build_once(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int) -> None:
-    """Until the cache is published: build it if this process gets the lease, else wait for who has it."""
+    """Until the cache is published: build it if this process gets the lease, else wait for who has it
+    (for data.build_wait at most, saying whom it waits for when it starts waiting and every WAIT_SAY_S)."""
     root = final.parent
+    waiting = BuildWait(root / f"{key}.lease", full.data.build_wait.total_seconds())
     while not _ready(final):
         if final.exists():  # published caches are complete, so only an outside hand leaves this state
             raise DataError(
                 f"feature cache {final} is damaged (no meta.json); delete that directory to rebuild"
             )
-        with lease(root / f"{key}.lease") as held:
+        with lease(waiting.path) as held:
             if held is not None and not _ready(final):
                 clean_stale_staging(root, key)
                 _build(full, featurizer, key, final, workers, held)
         if held is None:
-            time.sleep(WAIT_POLL_S)
+            waiting.tick()
+            time.sleep(WAIT_POLL_S)  # a Ctrl-C (KeyboardInterrupt) ends the wait here
+
+
+class BuildWait:
+    """A wait for another process's build of one cache: bounded, and said (who holds the lease, since when,
+    why it counts as alive) when it starts and every WAIT_SAY_S, as a warning (a line on stderr)."""
+
+    def __init__(self, path: Path, limit_s: float) -> None:
+        self.path, self.limit_s = path, limit_s
+        self.started: float | None = None
+        self.say_at = 0.0  # seconds into the wait
+
+    def tick(self) -> None:
+        """Called after each try that found the lease held: raises DataError once data.build_wait is over."""
+        now = time.monotonic()
+        self.started = now if self.started is None else self.started
+        waited = now - self.started
+        if waited < self.say_at and waited < self.limit_s:
+            return
+        holder = read_holder(self.path)
+        if holder is None or holder.verdict.gone:  # released, or broken by the next try: no wait to tell
+            return
+        if waited >= self.limit_s:
+            raise DataError(
+                f"waited {waited:.0f} s (data.build_wait) for the feature cache that {holder.describe()} "
+                f"builds (lease {self.path}); that builder is alive, so its lease stands: let it finish, "
+                "stop it, or raise data.build_wait"
+            )
+        get_logger().warning(
+            "waiting_for_cache_build",
+            holder=holder.describe(),
+            lease=str(self.path),
+            waited_s=round(waited),
+            gives_up_in_s=round(self.limit_s - waited),
+        )
+        self.say_at = waited + WAIT_SAY_S
 
 
 def prepare(

@@ -5,9 +5,11 @@ with `rename(staging, final)`, which fails when `final` already exists (a direct
 an empty one, and a published cache never is): the loser discards its copy and uses the winner's, and
 no reader ever sees a half-written cache. The lease only saves work: a file created with O_EXCL (atomic
 on NFS v3+ and every local filesystem, unlike flock, which some network filesystems ignore) names its
-holder, who refreshes its mtime (and its staging directory's) while building. Waiters break a lease
-whose holder is a dead process on this host, or whose heartbeat is older than STALE_S (a host that
-died); if two builders ever overlap, the rename still lets exactly one publish.
+holder (host, boot id, pid and its start time: see elastic_qa.liveness), who refreshes its mtime (and its
+staging directory's) while building. Waiters break a lease only once its holder is provably gone
+(`liveness.judge`, the mtime as heartbeat): on this host a pid that no longer runs, or runs as another
+process (a reused pid), or a reboot; on another host a heartbeat older than STALE_S. If two builders ever
+overlap, the rename still lets exactly one publish.
 """
 
 from __future__ import annotations
@@ -17,31 +19,64 @@ import errno
 import json
 import os
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
-HOST = socket.gethostname().replace("-", "_") or "host"
+from elastic_qa.liveness import HOST, Holder, Verdict, judge, pid_runs, this_process
+
 HEARTBEAT_S = 5.0
 STALE_S = 120.0  # no heartbeat for this long: the holder's host is taken for dead
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+    return pid_runs(pid)
 
 
 def _holder_dead(host: str, pid: int, age: float) -> bool:
-    if host == HOST:
-        return not pid_alive(pid)
-    return age > STALE_S
+    """A holder known only by host and pid (a staging directory's name): its mtime is its heartbeat."""
+    return judge(Holder(host, pid, heartbeat=time.time() - age), STALE_S).gone
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds a lease, as read from its file."""
+
+    holder: Holder
+    since: float | None  # when it took the lease (None: a lease written before this was recorded)
+    verdict: Verdict
+
+    def describe(self) -> str:
+        since = f", since {_clock(self.since)}" if self.since else ""
+        return f"{self.holder.describe()}{since} ({self.verdict.why})"
+
+
+def _clock(stamp: float) -> str:
+    return datetime.fromtimestamp(stamp, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def read_holder(path: Path) -> LeaseHolder | None:
+    """The holder of the lease at `path` and whether it is gone; None when there is no lease. A file that
+    cannot be read as one (being written right now, or garbage) is judged by its age alone."""
+    try:
+        heartbeat = path.stat().st_mtime
+        record = json.loads(path.read_text())
+        holder = Holder.from_dict(record, heartbeat)
+        since = float(record["since"]) if record.get("since") is not None else None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        try:
+            heartbeat = path.stat().st_mtime
+        except OSError:
+            return None
+        holder, since = Holder("", 0, heartbeat=heartbeat), None
+        age = time.time() - heartbeat
+        return LeaseHolder(holder, since, Verdict(age > STALE_S, f"unreadable lease, {age:.0f} s old"))
+    return LeaseHolder(holder, since, judge(holder, STALE_S))
 
 
 class Lease:
@@ -74,7 +109,7 @@ def lease(path: Path) -> Iterator[Lease | None]:
         yield None
         return
     with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({"host": HOST, "pid": os.getpid(), "token": token}))
+        handle.write(json.dumps({**this_process().to_dict(), "since": time.time(), "token": token}))
     try:
         yield Lease(path, token)
     finally:
@@ -84,16 +119,8 @@ def lease(path: Path) -> Iterator[Lease | None]:
 
 
 def _break_if_dead(path: Path) -> None:
-    try:
-        age = time.time() - path.stat().st_mtime
-        holder = json.loads(path.read_text())
-        host, pid = str(holder["host"]), int(holder["pid"])
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError, KeyError, TypeError):
-        host, pid = "", 0  # being written right now, or garbage: judge by age alone
-        age = time.time() - path.stat().st_mtime if path.exists() else 0.0
-    if _holder_dead(host, pid, age):
+    holder = read_holder(path)
+    if holder is not None and holder.verdict.gone:
         # Renamed first so that only one waiter removes it; a race at worst lets two build (see module).
         broken = path.with_name(f"{path.name}.broken-{HOST}-{os.getpid()}")
         with contextlib.suppress(OSError):
@@ -102,7 +129,8 @@ def _break_if_dead(path: Path) -> None:
 
 
 def clean_stale_staging(root: Path, key: str) -> None:
-    """Remove staging directories of builders that died: this host's by pid, other hosts' by age."""
+    """Remove staging directories of builders that are gone: this host's by pid and age (the name holds no
+    start time), other hosts' by age (`_holder_dead`)."""
     for staging in root.glob(f"{key}.tmp-*"):
         suffix = staging.name.removeprefix(f"{key}.tmp-")
         host, _, pid = suffix.rpartition("-")

@@ -2,9 +2,11 @@
 
 Order at start-up, so that a start refused as bad input writes nothing:
     restore()   rank 0 picks the newest checkpoint that verifies, every rank loads it (reads only)
-    register()  rank 0 claims the next attempt number (fencing), clears what older attempts left (their
-                staging, the checkpoints rejected at restore) and restores again if a checkpoint newer than
-                the restored one was committed meanwhile by a group that was still running
+    register()  rank 0 takes the run's hold (hold.py: refused while another live job holds it, so that a
+                second job never fences a live one), claims the next attempt number (fencing), clears
+                what older attempts left (their staging, the checkpoints rejected at restore) and restores
+                again if a checkpoint newer than the restored one was committed meanwhile by a group that
+                was still running
 Saves: periodic (async, storage errors tolerated for checkpoint.give_up_after), stop and emergency (retried
 for checkpoint.emergency_retry_for), final (retried for checkpoint.final_retry_for; the job is done only
 once it is committed and verified).
@@ -13,6 +15,7 @@ once it is committed and verified).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.fencing import Fence
+from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.state import ResumeError, TrainState, gather_rng_states
 
@@ -58,6 +62,7 @@ class CheckpointSession:
             final_timeout = cfg.checkpoint.final_retry_for + cfg.dist.timeout + timedelta(minutes=1)
             self.final_group = dist.new_group(backend="gloo", timeout=final_timeout)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"single-{uuid.uuid4().hex[:12]}"
+        self.hold = RunHold(cfg.checkpoint_dir, self.run_id, cfg.run.dir, fs=self.store.fs)
         self.attempt = 0
         self.rejected: list[Rejection] = []
         self.restored: LoadedCheckpoint | None = None
@@ -133,8 +138,41 @@ class CheckpointSession:
         except (OSError, ValueError):
             return None
 
+    def _take_hold(self) -> None:
+        """Rank 0 takes the run's hold for this job, naming every rank's worker and agent; raises
+        RunHeldError on every rank when another live job holds it (nothing written, no one fenced)."""
+        processes = local_processes()
+        if self.ctx.distributed:
+            processes = [process for rank in self._gather_json(processes) for process in rank]
+        refused, message = torch.zeros(1, dtype=torch.int64), ""
+        if self.ctx.is_main:
+            try:
+                self.hold.acquire(unique(processes), self.log)
+                self.hold.start_heartbeat(self.log)
+            except RunHeldError as err:
+                refused[0], message = 1, str(err)
+        if self.ctx.distributed:
+            dist.broadcast(refused, src=0, group=self.control_group)
+        if refused[0]:
+            raise RunHeldError(message or "another live job holds this run (rank 0's stderr names it)")
+
+    def _gather_json(self, mine: Any) -> list[Any]:
+        """Every rank's `mine` (plain JSON values), moved as bytes and read with json: never unpickled."""
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ctx.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.control_group)
+        padded = torch.zeros(int(max(size.item() for size in sizes)), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=self.control_group)
+        return [
+            json.loads(part[: int(size.item())].numpy().tobytes())
+            for part, size in zip(parts, sizes, strict=True)
+        ]
+
     def register(self) -> int:
         """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""
+        self._take_hold()
         info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
         if self.ctx.is_main:
             info[0] = self.fence.register(self.ctx.world_size)
@@ -289,6 +327,8 @@ class CheckpointSession:
                 f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
             )
         self.checkpointer.wait()
+        if self.ctx.is_main:  # done: the run is free for the next start without any liveness check
+            self.hold.release()
 
     def _quarantine_damaged(self) -> None:
         """Leave a store in which every listed checkpoint verifies: one damaged since it was written (bit

@@ -31,6 +31,7 @@ from pathlib import Path
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
 from elastic_qa.data.squad import DataError
+from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
 from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
@@ -222,6 +223,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     if (run_dir / "launch.json").exists() and any(alive(a["pid"]) for a in read_job(run_dir)["agents"]):
         print(f"launch: a job is already running in {run_dir} (use join/leave/stop)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    try:  # a live job on the same checkpoints started elsewhere (by hand, another run.dir, another host)
+        RunHold(cfg.checkpoint_dir, "", str(run_dir)).check()
+    except RunHeldError as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
+        pass
     job = {
         "run_id": f"eqa-{os.getpid()}-{int(time.time())}",
         "port": args.port or free_port(),

@@ -256,6 +256,7 @@ def run_node(args: argparse.Namespace) -> int:
     if args.rdzv_backend == "c10d":
         check_store_endpoint(endpoint, plan.endpoint_address, args.store_host)
     # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
+    from elastic_qa.elastic.hold import RunHeldError, RunHold
     from elastic_qa.launcher.local import check_inputs
 
     cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
@@ -263,6 +264,12 @@ def run_node(args: argparse.Namespace) -> int:
     node = f"{socket.gethostname()}@{plan.local_addr}"
     log = NodeLog(run_dir, node)
     rdzv_id = args.rdzv_id or default_rdzv_id(str(run_dir))
+    try:  # a live job of another run id holds these checkpoints: each of our workers would be refused
+        RunHold(cfg.checkpoint_dir, rdzv_id, str(run_dir)).check()
+    except RunHeldError as err:
+        raise UsageError(str(err)) from None
+    except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
+        pass
     command = torchrun_command(args, plan, rdzv_id)
     env = {
         **python_env(),

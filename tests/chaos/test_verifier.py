@@ -193,20 +193,30 @@ def test_a_replay_that_loaded_the_corrupt_checkpoint_or_did_not_quarantine_it_is
     assert rows[0]["verdict"] == "FAIL"  # the copy of step 40 in place is not a newer attempt's replay
 
 
-def test_a_second_job_that_failed_other_than_by_fencing_is_caught() -> None:
-    second = {"fault": "second-job", "ts": 10.0, "step": 40, "pid": 77, "attempt": 2}
-    main = _events((0.0, 2, 0, 45), (20.0, 2, 40, 60))
-    for event in main:
+def test_a_second_job_on_a_live_run_must_be_refused_and_restart_nothing() -> None:
+    main = _events((0.0, 2, 0, 60))
+    line = "elastic-qa: /r/checkpoints is held by a live job: run eqa-1 (rank 0 pid 5 on host h, since ...)"
+    refused = {"fault": "second-job", "ts": 10.0, "step": 40, "pid": 77, "refused": line}
+    exit_2 = {"action": "second_job_exit", "pid": 77, "exit_code": 2, "ts": 13.0}
+    ev = _evidence(main, [refused], actions=[exit_2])
+    (row,) = judge_faults(main, [refused], 30, ev)
+    assert row["verdict"] == "ok" and "refused" in row["note"]
+
+    # Registered an attempt on the live run (the old behaviour: it fenced the main job, which restarted).
+    registered = {"fault": "second-job", "ts": 10.0, "step": 40, "pid": 77, "attempt": 2}
+    fenced_main = _events((0.0, 2, 0, 45), (20.0, 2, 40, 60))
+    for event in fenced_main:
         event["attempt"] += event["attempt"] > 1  # the main job's restart registers attempt 3
     started = {"event": "worker_start", "ts": 12.0, "attempt": 2, "pid": 77, "rank": 0, "world_size": 1}
-    fenced = {"event": "checkpoint_fenced", "ts": 22.0, "attempt": 2, "pid": 77, "rank": 0}
     exit_1 = {"action": "second_job_exit", "pid": 77, "exit_code": 1, "ts": 23.0}
-    everything = sorted([*main, started, fenced], key=lambda e: e["ts"])
-    ev = _evidence(main, [second], actions=[exit_1])
-    ev.all_events = everything
-    assert judge_faults(main, [second], 30, ev)[0]["verdict"] == "ok"
-    ev.all_events = sorted([*main, started], key=lambda e: e["ts"])  # exit 1, never fenced: a crash
-    assert judge_faults(main, [second], 30, ev)[0]["verdict"] == "FAIL"
+    ev = _evidence(fenced_main, [registered], actions=[exit_1])
+    ev.all_events = sorted([*fenced_main, started], key=lambda e: e["ts"])
+    assert judge_faults(fenced_main, [registered], 30, ev)[0]["verdict"] == "FAIL"
+
+    # Exit 2 for another reason (bad input): not a refusal by the live job's hold.
+    other = {"fault": "second-job", "ts": 10.0, "step": 40, "pid": 77}
+    ev = _evidence(main, [other], actions=[exit_2])
+    assert judge_faults(main, [other], 30, ev)[0]["verdict"] == "FAIL"
 
 
 def test_log_lines_cut_short_by_a_full_disk_are_read_back_as_far_as_they_are_whole(tmp_path: Path) -> None:
