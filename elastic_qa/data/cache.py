@@ -241,11 +241,12 @@ def _ready(final: Path) -> bool:
     return (final / "meta.json").exists()
 
 
-def _build_once(full: Config, featurizer: Featurizer, key: str, final: Path, workers: int) -> None:
+def _build_once(
+    full: Config, featurizer: Featurizer, key: str, final: Path, workers: int, waiting: BuildWait
+) -> None:
     """Until the cache is published: build it if this process gets the lease, else wait for who has it
     (for data.build_wait at most, saying whom it waits for when it starts waiting and every WAIT_SAY_S)."""
     root = final.parent
-    waiting = BuildWait(root / f"{key}.lease", full.data.build_wait.total_seconds())
     while not _ready(final):
         if final.exists():  # published caches are complete, so only an outside hand leaves this state
             raise DataError(
@@ -314,9 +315,10 @@ def prepare(
         final = root / key
         if not _ready(final):
             workers = workers or cfg.prepare_workers or default_workers()
+            waiting = BuildWait(root / f"{key}.lease", full.data.build_wait.total_seconds())
             with open(root / f"{key}.lock", "w") as lock:
-                _queue_on(lock)
-                _build_once(full, featurizer, key, final, workers)
+                _queue_on(lock, waiting)
+                _build_once(full, featurizer, key, final, workers, waiting)
     except OSError as err:
         if not _unwritable(err, root):
             raise
@@ -342,15 +344,24 @@ def _unwritable(err: OSError, root: Path) -> bool:
     return path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep)
 
 
-def _queue_on(lock: IO[str]) -> None:
+def _queue_on(lock: IO[str], waiting: BuildWait) -> None:
     """Ranks of one host queue here; hosts sharing the directory meet at the lease (see lease.py). Where
-    the filesystem has no flock, the lease alone keeps a second builder out, as it does across hosts."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    except OSError as err:
-        if err.errno not in _NO_FLOCK:
-            raise
-        get_logger().info("cache_flock_unsupported", error=err.strerror, fallback="lease")
+    the filesystem has no flock, the lease alone keeps a second builder out, as it does across hosts.
+
+    The queue is polled, not a blocking flock: whoever is ahead holds the lease while it builds, so the
+    wait is told and bounded by `waiting` (data.build_wait) like a wait at the lease, and Ctrl-C ends it."""
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waiting.tick()
+            time.sleep(WAIT_POLL_S)
+        except OSError as err:
+            if err.errno not in _NO_FLOCK:
+                raise
+            get_logger().info("cache_flock_unsupported", error=err.strerror, fallback="lease")
+            return
 
 
 def open_cache(final: Path, key: str) -> PreparedData:

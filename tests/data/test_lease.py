@@ -111,3 +111,30 @@ def test_ctrl_c_ends_a_wait_for_a_live_builder(tmp_path: Path) -> None:
             process.wait()
     assert code == 130, said
     assert "interrupted" in said[-1] and not any("Traceback" in line for line in said)
+
+
+def test_a_wait_in_the_hosts_queue_behind_a_live_builder_is_said_and_bounded(tmp_path: Path) -> None:
+    # The builder ahead holds the per-host flock (as a rank of this host building does) and the lease.
+    cache = tmp_path / "cache"
+    key = cache_key(load_config(packaged_config("tiny"), [f"data.cache_dir={cache}"]))
+    cache.mkdir(parents=True)
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(cache / f"{key}.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        plant_lease(cache, {**this_process(holder.pid).to_dict(), "since": time.time(), "token": "x"}, 0)
+        result = subprocess.run(
+            prepare_command(cache, "data.build_wait=2s"), capture_output=True, text=True, timeout=180
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "waiting_for_cache_build" in lines[0] and f"pid {holder.pid}" in lines[0], lines
+    assert lines[-1].startswith("elastic-qa: waited ") and "data.build_wait" in lines[-1], lines
