@@ -48,6 +48,7 @@ _TMP_PREFIX = ".tmp-"
 REJECTED_DIR = "rejected"
 REJECTED_NOTE = "REJECTED.json"
 MANIFEST_FORMAT = 1
+RUN_RECORD = "run.json"  # the run the directory belongs to (elastic/run_identity.py)
 
 
 def step_dir_name(step: int) -> str:
