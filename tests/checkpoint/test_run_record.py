@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from elastic_qa.checkpoint.run_record import belongs, new_record, read_record, w
 from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD, CheckpointStore
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, load_config, packaged_config
+from elastic_qa.elastic.session import _uuid_of, _uuid_words
 from elastic_qa.observe.follow import read_events
 from tests.conftest import tiny_overrides
 
@@ -215,3 +217,9 @@ def test_resume_from_a_path_without_checkpoints_is_one_line_and_exit_2(
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "checkpoint.resume_from=" in result.stderr
     assert not (tmp_path / "run" / "checkpoints" / "attempts").exists()
+
+
+def test_the_run_uuid_travels_whole_in_the_restore_broadcast() -> None:
+    """Rank 0 tells the other ranks the run (their emergency saves record it) as two int64 words."""
+    for run in ["0" * 32, "f" * 32, "8" + "0" * 31, uuid.uuid4().hex, "7fffffffffffffff8000000000000000"]:
+        assert _uuid_of(*_uuid_words(run)) == run
