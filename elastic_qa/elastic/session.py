@@ -47,6 +47,8 @@ from elastic_qa.elastic.fencing import Fence
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.state import ResumeError, TrainState, gather_rng_states
 
+_MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
+
 
 class FinalStateError(RuntimeError):
     """Training reached max_steps but its final state could not be committed: the job is not done."""
@@ -80,9 +82,9 @@ class CheckpointSession:
     # ---- start-up -----------------------------------------------------------------------------------
     def restore(self) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing."""
-        # chosen step, refused, chosen from checkpoint.resume_from, the run's uuid (2 x 64 bits)
+        # chosen step, refusal length in bytes, chosen from checkpoint.resume_from, run uuid (2 x 64 bits)
         verdict = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64)
-        loaded, refusal = None, ""
+        loaded, refusal = None, b""
         if self.ctx.is_main:
             try:
                 loaded = self._choose()
@@ -90,11 +92,12 @@ class CheckpointSession:
                 verdict[2] = int(self.source is not None)
                 verdict[3:] = torch.tensor(_uuid_words(self.run_uuid))
             except ResumeError as err:
-                refusal, verdict[1] = str(err), 1
+                refusal = (str(err) or "refused").encode()[:_MAX_REFUSAL]
+                verdict[1] = len(refusal)
         if self.ctx.distributed:
             dist.broadcast(verdict, src=0, group=self.control_group)
         if verdict[1]:
-            raise ResumeError(refusal or "rank 0 refused to resume (its log says why)")
+            raise ResumeError(self._shared_refusal(refusal, int(verdict[1])))
         self.run_uuid = _uuid_of(int(verdict[3]), int(verdict[4]))
         if verdict[0] >= 0 and loaded is None:
             loaded = self._load_chosen(int(verdict[0]), from_source=bool(verdict[2]))
@@ -102,6 +105,17 @@ class CheckpointSession:
             self.state.load_state_dict(loaded)
         self.restored = loaded
         return loaded
+
+    def _shared_refusal(self, refusal: bytes, length: int) -> str:
+        """Rank 0's refusal, on every rank: each worker then fails with the same line, which is how a
+        launcher tells a crash loop on bad input (exit 2) from bad luck."""
+        if self.ctx.distributed:
+            text = torch.zeros(length, dtype=torch.uint8)
+            if self.ctx.is_main:
+                text[:] = torch.frombuffer(bytearray(refusal), dtype=torch.uint8)
+            dist.broadcast(text, src=0, group=self.control_group)
+            refusal = bytes(text.tolist())
+        return refusal.decode(errors="replace")
 
     def _load_chosen(self, step: int, from_source: bool) -> LoadedCheckpoint:
         """Ranks other than 0: load the checkpoint rank 0 chose, from our store or checkpoint.resume_from."""
