@@ -14,10 +14,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from elastic_qa.checkpoint.store import RUN_RECORD, step_of
+from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD, step_of
 from elastic_qa.exits import UsageError
 
 RUN_CONFIG = "config.yaml"  # what marks a run directory (the trainer writes it there)
+ATTEMPTS_DIR = "attempts"  # the attempt registry of a checkpoint directory (elastic/fencing.py)
 
 
 def resolved(path: Path | str) -> Path:
@@ -26,13 +27,27 @@ def resolved(path: Path | str) -> Path:
 
 
 def _is_checkpoint_dir(directory: Path) -> bool:
-    """Whether `directory` is a checkpoint directory: it holds a step directory or a run record."""
+    """Whether `directory` is a checkpoint directory: it holds a run record, the attempt registry, or a
+    step directory with a manifest (a directory of the user's exports named by step is none of these)."""
     with contextlib.suppress(OSError):
-        if (directory / RUN_RECORD).is_file():
+        if (directory / RUN_RECORD).is_file() or (directory / ATTEMPTS_DIR).is_dir():
             return True
         with os.scandir(directory) as entries:
-            return any(step_of(e.name) is not None and e.is_dir(follow_symlinks=False) for e in entries)
+            return any(
+                step_of(e.name) is not None
+                and e.is_dir(follow_symlinks=False)
+                and (Path(e.path) / MANIFEST).is_file()
+                for e in entries
+            )
     return False
+
+
+def _is_step_dir(directory: Path) -> bool:
+    """Whether `directory` is a checkpoint's step directory (named like one, and a checkpoint or inside a
+    checkpoint directory)."""
+    if step_of(directory.name) is None:
+        return False
+    return (directory / MANIFEST).is_file() or _is_checkpoint_dir(directory.parent)
 
 
 def refuse_managed_output(out: Path | str, flag: str, checkpoint_dirs: Iterable[str] = ()) -> None:
@@ -41,7 +56,7 @@ def refuse_managed_output(out: Path | str, flag: str, checkpoint_dirs: Iterable[
     directory's logs/: the trainer would delete it, or it would mix with what the trainer writes."""
     target = resolved(out)
     for ancestor in (target, *target.parents):
-        if step_of(ancestor.name) is not None:
+        if _is_step_dir(ancestor):
             raise UsageError(
                 f"{flag} {out}: inside the checkpoint step directory {ancestor}, which rotation deletes "
                 "with everything in it; choose a directory outside checkpoint.dir"

@@ -255,3 +255,11 @@ def test_exported_files_follow_the_umask(trained: Path, tmp_path: Path, umask: i
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
     assert modes == {name: 0o666 & ~umask for name in ["model.safetensors", CONFIG_FILE, EXPORT_FILE]}
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+
+
+def test_an_out_merely_named_like_a_step_directory_is_accepted(trained: Path, tmp_path: Path) -> None:
+    """Exports of your own named by step are not checkpoints: nothing prunes them."""
+    for step in ("step-00000020", "step-00000030"):
+        source = trained / "checkpoints" / step
+        assert main(["export", str(source), "--out", str(tmp_path / "exports" / step)]) == 0
+    assert main(["export", str(trained), "--out", str(tmp_path / "exports" / "step-00000030" / "again")]) == 0
