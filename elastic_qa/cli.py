@@ -102,10 +102,12 @@ def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[list[
 def cmd_eval(args: argparse.Namespace) -> int:
     from elastic_qa.evaluate import predict
     from elastic_qa.export import load_for_prediction
+    from elastic_qa.output_paths import refuse_managed_output
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
+    refuse_managed_output(out, "--out")
     device = _device()
     loaded = load_for_prediction(args.checkpoint, device)
     cfg = loaded.cfg
@@ -301,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             from elastic_qa.observe.report import render_report
+            from elastic_qa.output_paths import refuse_managed_output
 
+            if args.out:
+                refuse_managed_output(args.out, "--out")
             out = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
             print(out)
             return 0

@@ -333,6 +333,9 @@ class CheckpointConfig:
     """Continue from the newest valid checkpoint when one exists."""
     require_resume: bool = False
     """Fail instead of starting fresh when no valid checkpoint exists."""
+    resume_from: str = ""
+    """Start this run from another run's checkpoint (a step directory, or a checkpoint or run directory:
+    its newest valid one), read only; used only while this run's checkpoint.dir holds none of its own."""
     give_up_after: timedelta = timedelta(minutes=10)
     """Saves that keep failing (storage errors) stop training once none has succeeded for this long."""
     final_retry_for: timedelta = timedelta(minutes=10)
@@ -361,6 +364,12 @@ class CheckpointConfig:
             self.dir,
             "memory:// vanishes with the process, and every checkpoint with it "
             "(checkpoint.allow_non_persistent=true allows it, for tests)",
+        )
+        _require(
+            self.resume or not self.resume_from,
+            "resume_from",
+            self.resume_from,
+            "needs checkpoint.resume=true (resume=false starts from nothing)",
         )
         for name in ("give_up_after", "final_retry_for"):
             value = getattr(self, name)

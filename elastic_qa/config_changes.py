@@ -22,7 +22,7 @@ from elastic_qa.config import Config
 _MODEL_NOT_SHAPE = frozenset({"model.dropout", "model.grad_checkpointing"})
 _DATA_SHAPE = frozenset({"data.tokenizer", "data.vocab_size", "data.lowercase"})
 # Where things are, not what is trained: a run resumed from another path is the same run.
-_IGNORED = frozenset({"run.dir", "checkpoint.dir", "data.cache_dir"})
+_IGNORED = frozenset({"run.dir", "checkpoint.dir", "checkpoint.resume_from", "data.cache_dir"})
 
 _SCHEDULE = "the learning rate keeps its position: from its value at the checkpoint"
 _NEW_DATA = (

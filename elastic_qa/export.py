@@ -25,12 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_qa.checkpoint.locate import load_checkpoint
+from elastic_qa.checkpoint.locate import load_checkpoint, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.config import Config, ConfigError, DataConfig, config_from_dict, load_config
 from elastic_qa.data.wordpiece import materialise
 from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
+from elastic_qa.output_paths import refuse_managed_output
 
 EXPORT_FILE = "elastic_qa_export.json"
 CONFIG_FILE = "elastic_qa_config.yaml"
@@ -142,6 +143,7 @@ def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionMo
         raise UsageError(
             f"--out {out}: holds the checkpoint being exported ({path}); choose another directory"
         )
+    refuse_managed_output(out, "--out", [resolve_checkpoint_path(path).directory])
     loaded = model_from_checkpoint(load_checkpoint(path), torch.device("cpu"))
     out = out.absolute()
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
@@ -150,6 +152,7 @@ def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionMo
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         loaded.family.export(loaded.model, loaded.cfg, staging)
+        _follow_umask(staging)
         (staging / CONFIG_FILE).write_text(loaded.cfg.to_yaml())
         record: dict[str, Any] = {
             "format": EXPORT_FORMAT,
@@ -168,6 +171,18 @@ def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionMo
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return loaded
+
+
+def _follow_umask(directory: Path) -> None:
+    """Give what the model family wrote the modes the umask asks for, as README promises: safetensors
+    writes its file through a private temporary file (0600), whatever the umask."""
+    umask = os.umask(0)
+    os.umask(umask)  # read, not changed: there is no call that only reads it
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+        elif path.is_dir() and not path.is_symlink():
+            path.chmod(0o777 & ~umask)
 
 
 def _publish(staging: Path, out: Path) -> None:

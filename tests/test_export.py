@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,74 @@ def test_a_wordpiece_model_answers_and_exports_with_its_own_vocabulary_once_its_
     code, out, err = run_main(capsys, "ask", "--checkpoint", str(moved), *question)
     assert code == 0, err
     assert json.loads(out) == answered
+
+
+def _tree(root: Path) -> list[tuple[str, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        "{run}/checkpoints/step-00000030/my-export",  # rotation prunes step 30, and the export with it
+        "{run}/checkpoints/my-export",
+        "{run}/logs/my-export",
+        "{tmp}/link-to-checkpoints/my-export",  # through a symlink
+        "{tmp}/link-to-run/checkpoints/step-00000020/../my-export",  # through a symlink and `..`
+    ],
+)
+def test_export_refuses_an_out_inside_a_checkpoint_directory_or_the_runs_logs(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture, out: str
+) -> None:
+    (tmp_path / "link-to-checkpoints").symlink_to(trained / "checkpoints")
+    (tmp_path / "link-to-run").symlink_to(trained)
+    before = _tree(trained)
+    target = out.format(run=trained, tmp=tmp_path)
+    code, _, err = run_main(capsys, "export", str(trained / "checkpoints" / "step-00000020"), "--out", target)
+    assert code == 2, err
+    assert err.startswith(f"elastic-qa: --out {target}: inside the ") and len(err.strip().splitlines()) == 1
+    assert _tree(trained) == before
+
+
+def test_a_relative_out_is_resolved_before_it_is_judged(
+    trained: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(trained / "checkpoints" / "step-00000030")
+    before = _tree(trained)
+    code, _, err = run_main(capsys, "export", str(trained), "--out", "my-export")
+    assert code == 2 and "inside the checkpoint step directory" in err
+    code, _, err = run_main(capsys, "eval", "--checkpoint", str(trained))  # --out defaults to .
+    assert code == 2 and "inside the checkpoint step directory" in err
+    assert _tree(trained) == before
+
+
+def test_eval_and_report_refuse_an_out_the_trainer_deletes(
+    trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    before = _tree(trained)
+    out = trained / "checkpoints" / "step-00000020" / "scores"
+    code, _, err = run_main(capsys, "eval", "--checkpoint", str(trained), "--out", str(out))
+    assert code == 2 and "inside the checkpoint step directory" in err
+    code, _, err = run_main(capsys, "report", str(trained), "--out", str(trained / "logs" / "report.html"))
+    assert code == 2 and "inside the run's logs" in err
+    assert _tree(trained) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_follow_the_umask(trained: Path, tmp_path: Path, umask: int) -> None:
+    previous = os.umask(umask)
+    try:
+        assert main(["export", str(trained), "--out", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    assert modes == {name: 0o666 & ~umask for name in ["model.safetensors", CONFIG_FILE, EXPORT_FILE]}
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+
+
+def test_an_out_merely_named_like_a_step_directory_is_accepted(trained: Path, tmp_path: Path) -> None:
+    """Exports of your own named by step are not checkpoints: nothing prunes them."""
+    for step in ("step-00000020", "step-00000030"):
+        source = trained / "checkpoints" / step
+        assert main(["export", str(source), "--out", str(tmp_path / "exports" / step)]) == 0
+    assert main(["export", str(trained), "--out", str(tmp_path / "exports" / "step-00000030" / "again")]) == 0

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             args.config,
             *args.overrides,
             f"run.dir={run_dir}",
-            f"checkpoint.dir={work / f'at-{position}' / 'checkpoints'}",
+            # Read only: each rep starts its own run from the moved copy, which stays as it is.
+            f"checkpoint.resume_from={work / f'at-{position}' / 'checkpoints'}",
             "checkpoint.require_resume=true",
             "checkpoint.interval=1000h",
             f"train.max_steps={step + 1000}",

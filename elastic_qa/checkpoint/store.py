@@ -1,8 +1,9 @@
 """Checkpoints over fsspec: layout, manifest, verification, and the commit skeleton all stores share.
 
 Layout: `<root>/step-00000420/` holding the tensor files and `manifest.json` (each file's size and sha256,
-step, epoch, world size, attempt, creation time, config hash, versions). A directory counts as a
-checkpoint only once it holds a manifest, and only as a *valid* one once every file matches it.
+step, epoch, world size, attempt, run, creation time, config hash, versions), and `<root>/run.json`, the
+run the directory belongs to (run_record.py). A directory counts as a checkpoint only once it holds a
+manifest, and only as a *valid* one once every file matches it.
 
 `CheckpointStore(url)` (or `open_store(url)`) opens the store at a path or URL and picks its commit
 protocol, the one thing that differs between stores:
@@ -48,6 +49,7 @@ _TMP_PREFIX = ".tmp-"
 REJECTED_DIR = "rejected"
 REJECTED_NOTE = "REJECTED.json"
 MANIFEST_FORMAT = 1
+RUN_RECORD = "run.json"  # the run the directory belongs to (elastic/run_identity.py)
 
 
 def step_dir_name(step: int) -> str:

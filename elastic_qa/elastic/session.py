@@ -27,8 +27,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
 from elastic_qa.checkpoint.policy import SaveSchedule
+from elastic_qa.checkpoint.run_record import (
+    RunRecord,
+    belongs,
+    new_record,
+    newest_run_of_checkpoints,
+    other_run_dir,
+    read_record,
+    resolved_run_dir,
+    write_record,
+)
 from elastic_qa.checkpoint.state import rng_state, versions
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
 from elastic_qa.config import Config
@@ -39,6 +50,8 @@ from elastic_qa.elastic.fencing import Fence
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.state import ResumeError, TrainState, gather_rng_states
+
+_MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
 
 
 class FinalStateError(RuntimeError):
@@ -66,34 +79,61 @@ class CheckpointSession:
         self.attempt = 0
         self.rejected: list[Rejection] = []
         self.restored: LoadedCheckpoint | None = None
+        self.run_uuid = ""  # the run this start belongs to (checkpoint/run_record.py), agreed at restore
+        self._new_record: RunRecord | None = None  # rank 0: written at registration (a store without one)
+        self.source: CheckpointLocation | None = None  # restored from checkpoint.resume_from, not our store
         self.on_stall: Callable[[float], None] = lambda seconds: None
 
     # ---- start-up -----------------------------------------------------------------------------------
     def restore(self) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing."""
-        verdict = torch.tensor([-1, 0], dtype=torch.int64)  # chosen step, refused
-        loaded, refusal = None, ""
+        # chosen step, refusal length in bytes, chosen from checkpoint.resume_from, run uuid (2 x 64 bits)
+        verdict = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64)
+        loaded, refusal = None, b""
         if self.ctx.is_main:
             try:
                 loaded = self._choose()
                 verdict[0] = loaded.step if loaded else -1
+                verdict[2] = int(self.source is not None)
+                verdict[3:] = torch.tensor(_uuid_words(self.run_uuid))
             except ResumeError as err:
-                refusal, verdict[1] = str(err), 1
+                refusal = (str(err) or "refused").encode()[:_MAX_REFUSAL]
+                verdict[1] = len(refusal)
         if self.ctx.distributed:
             dist.broadcast(verdict, src=0, group=self.control_group)
         if verdict[1]:
-            raise ResumeError(refusal or "rank 0 refused to resume (its log says why)")
+            raise ResumeError(self._shared_refusal(refusal, int(verdict[1])))
+        self.run_uuid = _uuid_of(int(verdict[3]), int(verdict[4]))
         if verdict[0] >= 0 and loaded is None:
-            path = self.store.path(step_dir_name(int(verdict[0])))
-            loaded = self.checkpointer.load_step(path, int(verdict[0]))
+            loaded = self._load_chosen(int(verdict[0]), from_source=bool(verdict[2]))
         if loaded is not None:
             self.state.load_state_dict(loaded)
         self.restored = loaded
         return loaded
 
+    def _shared_refusal(self, refusal: bytes, length: int) -> str:
+        """Rank 0's refusal, on every rank: each worker then fails with the same line, which is how a
+        launcher tells a crash loop on bad input (exit 2) from bad luck."""
+        if self.ctx.distributed:
+            text = torch.zeros(length, dtype=torch.uint8)
+            if self.ctx.is_main:
+                text[:] = torch.frombuffer(bytearray(refusal), dtype=torch.uint8)
+            dist.broadcast(text, src=0, group=self.control_group)
+            refusal = bytes(text.tolist())
+        return refusal.decode(errors="replace")
+
+    def _load_chosen(self, step: int, from_source: bool) -> LoadedCheckpoint:
+        """Ranks other than 0: load the checkpoint rank 0 chose, from our store or checkpoint.resume_from."""
+        if not from_source:
+            return self.checkpointer.load_step(self.store.path(step_dir_name(step)), step)
+        self.source = resolve_checkpoint_path(self.cfg.checkpoint.resume_from)
+        path = self.source.step_path or self.source.store().path(step_dir_name(step))
+        return self.source.checkpointer().load_step(path, step)
+
     def _choose(self) -> LoadedCheckpoint | None:
         """Rank 0: the checkpoint to resume, or None to start fresh; ResumeError: the start must not go on."""
         cfg = self.cfg
+        self._claim_run()
         if not cfg.checkpoint.resume:
             foreign = [info for info in self.store.list_steps() if self._run_id_of(info.path) != self.run_id]
             if foreign:
@@ -101,8 +141,12 @@ class CheckpointSession:
                     f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another job "
                     f"(newest: step {foreign[-1].step}); use a new run.dir or checkpoint.dir, or resume them"
                 )
-        self.rejected = []
+        self.rejected, self.source = [], None
         loaded = self.checkpointer.load_newest(self.rejected)
+        if loaded is None and cfg.checkpoint.resume_from:
+            loaded = self._load_resume_from()
+        elif loaded is not None and cfg.checkpoint.resume_from:  # a restart: its own work is newer
+            self.log.info("resume_from_ignored", step=loaded.step, resume_from=cfg.checkpoint.resume_from)
         if loaded is None and cfg.checkpoint.require_resume:
             raise ResumeError(
                 f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
@@ -114,6 +158,60 @@ class CheckpointSession:
                 f"checkpoint {self.store.display(loaded.path)} is at step {loaded.step}, past "
                 f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
             )
+        return loaded
+
+    def _claim_run(self) -> None:
+        """Rank 0: which run the store belongs to; ResumeError when that is another run (reads only: the
+        record of a store without one is written at registration)."""
+        here = resolved_run_dir(self.cfg.run.dir)
+        try:
+            record = read_record(self.store)
+        except (OSError, ValueError) as err:
+            raise ResumeError(f"checkpoint.dir={self.store.url}: {err}") from None
+        if record is not None and not belongs(record, self.cfg.run.dir, self.store, self.run_id):
+            raise self._foreign(record.run_dir, f"run {record.run[:8]}, ")
+        if record is not None:
+            self.run_uuid, self._new_record = record.run, None
+            return
+        # No record: written before records existed (adopted: its checkpoints stay resumable), or new;
+        # unless it is another run directory's own checkpoints/ (see run_record.other_run_dir).
+        steps = self.store.list_steps()
+        owner = other_run_dir(self.store, self.cfg.run.dir) if steps else None
+        if owner is not None:
+            raise self._foreign(owner, "")
+        self._new_record = new_record(newest_run_of_checkpoints(self.store), here, self.run_id)
+        self.run_uuid = self._new_record.run
+        if steps:
+            self.log.info("checkpoint_run_adopted", checkpoint_dir=self.store.url, run_dir=here)
+
+    def _foreign(self, their_dir: str, their_id: str) -> ResumeError:
+        url = self.store.url
+        return ResumeError(
+            f"checkpoint.dir={url} holds the checkpoints of another run ({their_id}run.dir {their_dir}), "
+            f"not of this one (run.dir {resolved_run_dir(self.cfg.run.dir)}): give this run a checkpoint.dir "
+            f"of its own, or start it from that run's state with checkpoint.resume_from={url} (read only)"
+        )
+
+    def _load_resume_from(self) -> LoadedCheckpoint:
+        """Rank 0: the checkpoint.resume_from state (a step directory, or the newest valid one of a
+        checkpoint or run directory), read only: nothing there is quarantined, pruned or written."""
+        given = self.cfg.checkpoint.resume_from
+        try:
+            location = resolve_checkpoint_path(given)
+            checkpointer = location.checkpointer()
+            if location.step_path is None:
+                loaded = checkpointer.load_newest()
+            else:
+                step = location.step
+                if step is None:  # a step directory under another name: its manifest says which
+                    step = int(location.store().read_manifest(location.step_path)["step"])
+                loaded = checkpointer.load_step(location.step_path, step)
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as err:
+            raise ResumeError(f"checkpoint.resume_from={given}: {err}") from None
+        if loaded is None:
+            raise ResumeError(f"checkpoint.resume_from={given}: no valid checkpoint in {location.directory}")
+        self.source = location
+        self.log.info("resume_from", path=location.store().display(loaded.path), step=loaded.step)
         return loaded
 
     def _check_config(self, loaded: LoadedCheckpoint) -> None:
@@ -176,6 +274,8 @@ class CheckpointSession:
         info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
         if self.ctx.is_main:
             info[0] = self.fence.register(self.ctx.world_size)
+            if self._new_record is not None:  # the store's first registration (or one from before records)
+                write_record(self.store, self._new_record)
             self.store.clean_staging(int(info[0]))
             for rejection in self.rejected:
                 self._quarantine(rejection)
@@ -205,7 +305,9 @@ class CheckpointSession:
 
     @property
     def resumed_step(self) -> int | None:
-        return self.restored.step if self.restored else None
+        """The step of the checkpoint restored from our own store (one from checkpoint.resume_from is not
+        ours: this run saves that step again rather than count on it)."""
+        return self.restored.step if self.restored and self.source is None else None
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, reason: str) -> None:
@@ -245,6 +347,7 @@ class CheckpointSession:
             "world_size": self.ctx.world_size,
             "attempt": self.attempt,
             "run_id": self.run_id,
+            "run": self.run_uuid,
             "config_hash": self.cfg.digest(),
             "versions": versions(),
         }
@@ -352,3 +455,12 @@ class CheckpointSession:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _uuid_words(run: str) -> tuple[int, int]:
+    """A 32-hex-digit run uuid as two signed 64-bit integers (to travel in an int64 tensor)."""
+    return tuple(int.from_bytes(bytes.fromhex(run[i : i + 16]), "big", signed=True) for i in (0, 16))
+
+
+def _uuid_of(high: int, low: int) -> str:
+    return b"".join(word.to_bytes(8, "big", signed=True) for word in (high, low)).hex()

@@ -155,3 +155,19 @@ def test_prepare(tmp_path: Path) -> None:
     for figures in size["workers"].values():
         assert positive(figures["seconds"]) and positive(figures["peak_rss_bytes"])
         assert figures["cache_bytes"] > 0 and figures["questions_per_s"] > 0
+
+
+def test_resume_reps_each_start_their_own_run_from_the_moved_copy(tmp_path: Path, cache_dir: Path) -> None:
+    """Every rep is a new run.dir: it starts from the copy (checkpoint.resume_from), never claims it."""
+    result = bench(
+        tmp_path,
+        "resume",
+        "--config",
+        "tiny",
+        "--reps",
+        "2",
+        "--positions",
+        "50",
+        f"data.cache_dir={cache_dir}",
+    )
+    assert len(result["positions"]["50%"]["first_step_s"]["values"]) == 2
