@@ -276,7 +276,7 @@ class Trainer:
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
-        debug.after_step(cfg, self.ctx.rank, step)
+        debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
     def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
         state = self.state

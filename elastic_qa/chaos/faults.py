@@ -329,9 +329,11 @@ class Injector:
         lifetime = fault.duration or 60.0
         index = len(self.second_jobs) + 1
         out_path = self.job.run_dir / "chaos" / f"second-job-{index}.log"
+        overrides = [o for o in self.job.overrides if not o.startswith("debug.hold_dir=")]
         with open(out_path, "ab") as out:
             process = subprocess.Popen(
-                [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *self.job.overrides],
+                # Not held at the main job's step holds: nobody releases them for it.
+                [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *overrides],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 # Not part of the main job's torchrun group: none of its agent's variables.
