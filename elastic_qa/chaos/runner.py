@@ -3,19 +3,19 @@
 Each fault is injected once its trigger (a step, or a time since the start) has passed *and* the job has
 completed at least one step since the previous fault, so faults hit a training group rather than piling
 onto a regroup in progress, and every recovery can be attributed to the fault that caused it. A fault
-triggered at step N does not race the job: the job is held after step N (elastic_qa/holds.py, armed
-before it starts) until the fault has fired, so however slow the machine (a recovery of a minute, say)
-the job can neither run past N nor end first. The hold is released once the fault is delivered (a kill
-sent, a flag created); for `join-node` once the joining agent is admitted (a newer group has started:
-the held workers' agents stop them to regroup, which a hold never delays); for `kill-during-save` just
-before it is injected (it waits for the job's next save). A fault whose target is momentarily absent (no
-worker during a regroup, no checkpoint yet) releases the hold, since the job may have to move on to make
-one, and is retried every 0.2 s until it lands or the job ends. After a fault that restarts the group
-the runner waits for the new group to train (after `second-job`: a group newer than the second job's
-attempt, that is the main job fenced, restarted and registered again); after `log-full` for the end of
-its window (log lines written meanwhile are lost, and the verifier must not need them to attribute a
-restart). A second job is not waited for: it runs on until fenced at its next commit (or stopped after
-its `for=`), judged by its own lines.
+triggered at step N does not race the job: the job is held after step N (elastic_qa/holds.py, armed before
+it starts) until the fault has fired, so however slow the machine (a recovery of a minute, say) the job
+can neither run past N nor end first. The hold is released once the fault is delivered (a kill sent, a
+flag created); for `join-node` once the joining agent is admitted (a newer group has started: the held
+workers' agents stop them to regroup, which a hold never delays); for `kill-during-save`, which hits the
+job's next save, once a time-based save is due, just before it is injected. A fault whose target is
+momentarily absent (no worker during a regroup, no checkpoint yet) releases the hold, since the job may
+have to move on to make one, and is retried every 0.2 s until it lands or the job ends. After a fault that
+restarts the group the runner waits for the new group to train (after `second-job`: a group newer than the
+second job's attempt, that is the main job fenced, restarted and registered again); after `log-full` for
+the end of its window (log lines written meanwhile are lost, and the verifier must not need them to
+attribute a restart). A second job is not waited for: it runs on until fenced at its next commit (or
+stopped after its `for=`), judged by its own lines.
 
 Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout: an injection has `fault`
 (kind, spec, target, step at injection, wall time); what happens later (a flag removed, a worker thawed,
@@ -47,6 +47,7 @@ NOT_TRAINING = ("debug.", "checkpoint.")
 RETRY_EVERY_S = 0.2
 # Faults whose hold is released before they are injected: they act on what the job does next.
 RELEASE_FIRST = frozenset({"kill-during-save"})
+SAVE_DUE_WAIT_S = 60.0  # (a kill-during-save's own wait for a save)
 # Under <run-dir>/chaos: the step holds (debug.hold_dir), one per step-triggered fault.
 HOLDS = "holds"
 # Subpackages that start, break or measure training but take no part in it: not in the code fingerprint.
@@ -202,12 +203,27 @@ class Runner:
         if fault.at_step is not None and release(self.hold_dir, fault.at_step):
             self.log({"action": "released", "fault": fault.kind, "hold": fault.at_step, "why": why})
 
+    def _release_when_a_save_is_due(self, fault: Fault) -> None:
+        """kill-during-save hits the job's next save: held until a time-based save is due (its timer
+        started over `checkpoint.interval` ago), so that the save starts within a step or two of the
+        release, long before the job could be held at the next fault's step with no save to hit. Saves
+        by step count (checkpoint.every_steps) come without waiting; a long interval is waited for at most
+        SAVE_DUE_WAIT_S."""
+        interval = self.cfg.checkpoint.interval.total_seconds()
+        limit = 0.0 if self.cfg.checkpoint.every_steps > 0 else min(interval, SAVE_DUE_WAIT_S) + 1.0
+        due = self.wait_until(lambda: self._since_save_timer() >= interval, limit_s=limit)
+        self._release(fault, "a time-based save is due" if due else "it hits the job's next save")
+
+    def _since_save_timer(self) -> float:
+        self.job.progress()  # reads the commits logged since
+        return time.time() - self.job.last_save_ts
+
     def _inject(self, fault: Fault, record: dict) -> tuple[dict, int]:
         """Inject `fault` (retrying while it has no target); (its outcome, the step it was injected at)."""
         step = self.job.progress()
         attempt_before = self.job.attempt
         if fault.kind in RELEASE_FIRST:
-            self._release(fault, "it acts on what the job does next")
+            self._release_when_a_save_is_due(fault)
         retry_until = time.monotonic() + max(60.0, 2 * self.dist_timeout_s)
         tries, first_miss, waiter = 0, None, None
         while True:
