@@ -43,3 +43,8 @@ def after_step(cfg: Config, rank: int, step: int, stop_requested: Callable[[], b
             get_logger().warning("debug_kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
     holds.hold_after_step(cfg, step, stop_requested)
+
+
+def save_due(cfg: Config, step: int) -> bool:
+    """A checkpoint asked for at this step by a chaos run (holds.py; never outside one)."""
+    return holds.save_due(cfg, step)

@@ -24,21 +24,25 @@ from elastic_qa.config import Config
 from elastic_qa.observe.log import get_logger
 
 POLL_S = 0.05
-HOLD, RELEASE = "hold-", "release-"
+HOLD, RELEASE, SAVE = "hold-", "release-", "save-"
 
 # hold_dir -> steps armed and not yet seen released by this process (listed once: armed before start).
 _pending: dict[str, list[int]] = {}
+# hold_dir -> steps at which to save (listed once, like the holds: every rank agrees without a word).
+_saves: dict[str, frozenset[int]] = {}
 
 
 def _name(prefix: str, step: int) -> str:
     return f"{prefix}{step:08d}"
 
 
-def arm(hold_dir: Path, steps: list[int]) -> None:
-    """Driver side, before the job starts: hold the job after each of `steps`."""
+def arm(hold_dir: Path, steps: list[int], saves: list[int] = ()) -> None:
+    """Driver side, before the job starts: hold the job after each of `steps`, and have it save a
+    checkpoint at each of `saves` (a save to hit: kill-during-save, released just before it)."""
     hold_dir.mkdir(parents=True, exist_ok=True)
-    for step in steps:
-        (hold_dir / _name(HOLD, step)).touch()
+    for prefix, chosen in ((HOLD, steps), (SAVE, saves)):
+        for step in chosen:
+            (hold_dir / _name(prefix, step)).touch()
 
 
 def release(hold_dir: Path, step: int) -> bool:
@@ -56,10 +60,19 @@ def release_all(hold_dir: Path) -> None:
         release(hold_dir, step)
 
 
-def armed(hold_dir: Path) -> list[int]:
-    """The steps held in `hold_dir` (its `hold-<N>` files)."""
-    steps = (path.name[len(HOLD) :] for path in hold_dir.glob(HOLD + "*"))
+def armed(hold_dir: Path, prefix: str = HOLD) -> list[int]:
+    """The steps held in `hold_dir` (its `hold-<N>` files; `prefix=SAVE`: the saves asked for)."""
+    steps = (path.name[len(prefix) :] for path in hold_dir.glob(prefix + "*"))
     return sorted(int(step) for step in steps if step.isdigit())
+
+
+def save_due(cfg: Config, step: int) -> bool:
+    """Trainer side: whether a save was asked for at `step` (the same answer on every rank)."""
+    if not cfg.debug.hold_dir:
+        return False
+    if cfg.debug.hold_dir not in _saves:
+        _saves[cfg.debug.hold_dir] = frozenset(armed(Path(cfg.debug.hold_dir), SAVE))
+    return step in _saves[cfg.debug.hold_dir]
 
 
 def hold_after_step(cfg: Config, step: int, stop_requested: Callable[[], bool]) -> None:

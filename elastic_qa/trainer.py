@@ -267,7 +267,7 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             self._log_step(batch, stats)
-        due = decision.save or self.session.schedule.step_due(step)
+        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
         if due and not decision.stop and step < cfg.train.max_steps:
             self.session.save(reason="periodic")
         self.timer.mark("log_and_save")

@@ -17,6 +17,7 @@ WAIT_S = 60  # generous: these threads only wait on each other's events
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(holds, "_pending", {})  # the holds are listed once per process
+    monkeypatch.setattr(holds, "_saves", {})
 
 
 def config(hold_dir: Path | str = "", timeout_s: float = 600) -> Config:
@@ -93,6 +94,14 @@ def test_released_and_unarmed_steps_and_no_hold_dir_do_not_wait(tmp_path: Path) 
     holds.hold_after_step(config(tmp_path), 1, never)
     holds.hold_after_step(config(""), 2, never)
     assert holds.armed(tmp_path) == [2]
+
+
+def test_saves_asked_for_are_due_at_their_steps_only(tmp_path: Path) -> None:
+    """kill-during-save at N asks for a save at N+1: every rank lists the same files, so all agree."""
+    holds.arm(tmp_path, [4], saves=[5])
+    assert [holds.save_due(config(tmp_path), step) for step in (4, 5, 6)] == [False, True, False]
+    assert holds.armed(tmp_path) == [4] and holds.armed(tmp_path, holds.SAVE) == [5]
+    assert not holds.save_due(config(""), 5)
 
 
 def test_hold_dir_and_hold_timeout_are_debug_settings_off_by_default() -> None:

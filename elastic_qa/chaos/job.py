@@ -29,7 +29,6 @@ from elastic_qa.launcher.processes import (
 from elastic_qa.observe.follow import LogFollower
 
 LAUNCHER = "elastic_qa.launcher.local"
-SAVE_TIMER_EVENTS = frozenset({"train_start", "checkpoint_committed", "checkpoint_failed"})
 
 
 class Job:
@@ -56,9 +55,6 @@ class Job:
         self._progress = 0
         self.attempt = 0  # newest attempt that logged worker_start
         self.attempt_steps: dict[int, int] = {}  # attempt -> highest step it completed
-        # When the checkpoint timer last started over (a save, or a group's start): a time-based save is
-        # due checkpoint.interval after it.
-        self.last_save_ts = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,8 +156,6 @@ class Job:
                         self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
                 elif event == "worker_start":
                     self.attempt = max(self.attempt, row.get("attempt", 0))
-                if event in SAVE_TIMER_EVENTS:
-                    self.last_save_ts = max(self.last_save_ts, float(row.get("ts", 0.0)))
             return self._progress
 
     def wait_for_new_attempt(self, after: int, timeout: float = 180) -> bool:

@@ -8,7 +8,7 @@ it starts) until the fault has fired, so however slow the machine (a recovery of
 can neither run past N nor end first. The hold is released once the fault is delivered (a kill sent, a
 flag created); for `join-node` once the joining agent is admitted (a newer group has started: the held
 workers' agents stop them to regroup, which a hold never delays); for `kill-during-save`, which hits the
-job's next save, once a time-based save is due, just before it is injected. A fault whose target is
+job's next save (asked for at N+1), by the injector once it has its target. A fault whose target is
 momentarily absent (no worker during a regroup, no checkpoint yet) releases the hold, since the job may
 have to move on to make one, and is retried every 0.2 s until it lands or the job ends. After a fault that
 restarts the group the runner waits for the new group to train (after `second-job`: a group newer than the
@@ -47,7 +47,6 @@ NOT_TRAINING = ("debug.", "checkpoint.")
 RETRY_EVERY_S = 0.2
 # Faults whose hold is released before they are injected: they act on what the job does next.
 RELEASE_FIRST = frozenset({"kill-during-save"})
-SAVE_DUE_WAIT_S = 60.0  # (a kill-during-save's own wait for a save)
 # Under <run-dir>/chaos: the step holds (debug.hold_dir), one per step-triggered fault.
 HOLDS = "holds"
 # Subpackages that start, break or measure training but take no part in it: not in the code fingerprint.
@@ -203,27 +202,12 @@ class Runner:
         if fault.at_step is not None and release(self.hold_dir, fault.at_step):
             self.log({"action": "released", "fault": fault.kind, "hold": fault.at_step, "why": why})
 
-    def _release_when_a_save_is_due(self, fault: Fault) -> None:
-        """kill-during-save hits the job's next save: held until a time-based save is due (its timer
-        started over `checkpoint.interval` ago), so that the save starts within a step or two of the
-        release, long before the job could be held at the next fault's step with no save to hit. Saves
-        by step count (checkpoint.every_steps) come without waiting; a long interval is waited for at most
-        SAVE_DUE_WAIT_S."""
-        interval = self.cfg.checkpoint.interval.total_seconds()
-        limit = 0.0 if self.cfg.checkpoint.every_steps > 0 else min(interval, SAVE_DUE_WAIT_S) + 1.0
-        due = self.wait_until(lambda: self._since_save_timer() >= interval, limit_s=limit)
-        self._release(fault, "a time-based save is due" if due else "it hits the job's next save")
-
-    def _since_save_timer(self) -> float:
-        self.job.progress()  # reads the commits logged since
-        return time.time() - self.job.last_save_ts
-
     def _inject(self, fault: Fault, record: dict) -> tuple[dict, int]:
         """Inject `fault` (retrying while it has no target); (its outcome, the step it was injected at)."""
         step = self.job.progress()
         attempt_before = self.job.attempt
-        if fault.kind in RELEASE_FIRST:
-            self._release_when_a_save_is_due(fault)
+        # A fault that hits what the job does next is released by the injector once it has its target.
+        self.injector.ready = lambda: self._release(fault, "it hits the save the job makes next")
         retry_until = time.monotonic() + max(60.0, 2 * self.dist_timeout_s)
         tries, first_miss, waiter = 0, None, None
         while True:
@@ -333,7 +317,13 @@ def run_schedule(
     job = Job(run_dir, config, job_overrides, agents=agents, min_nodes=min_nodes, max_nodes=max_nodes)
     cfg = resolve_config(config, job.overrides)
     chaos.mkdir(parents=True, exist_ok=True)
-    arm(chaos / HOLDS, [f.at_step for f in schedule if f.at_step is not None])
+    # kill-during-save at N: the job saves at N+1 (asked for through the hold directory), just after the
+    # runner, holding it at N, has found its target and released it.
+    arm(
+        chaos / HOLDS,
+        [f.at_step for f in schedule if f.at_step is not None],
+        saves=[f.at_step + 1 for f in schedule if f.at_step is not None and f.kind in RELEASE_FIRST],
+    )
     (chaos / "schedule.json").write_text(json.dumps([f.to_dict() for f in schedule], indent=1))
     if fitted:
         log_line(run_dir, {"action": "fit_job", "overrides": fitted})
