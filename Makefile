@@ -1,6 +1,7 @@
 # The commands of the README. run and test create .venv and install what they need on a fresh clone.
 #   make run    train the default config with two elastic torchrun agents on this host, print EM/F1
 #   make test   ruff + the test suite (unit and real-torchrun integration tests)
+#   make test-loaded  the same beside two busy processes (a loaded machine)
 #   make gpu-check  on a machine with one GPU: nccl, bf16/fp16, a killed worker resumed; figures and checks
 # Bring your own torch (e.g. a CUDA build): install it into .venv first, or set TORCH_SPEC.
 PYTHON ?= python3
@@ -10,7 +11,7 @@ RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: run test test-long gpu-check lint install dev clean
+.PHONY: run test test-loaded test-long gpu-check lint install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,11 @@ lint: $(VENV)/.dev
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+
+# `make test` beside two busy processes (tests/under_load.py): a test that waits on luck instead of an
+# event fails here, not on a loaded CI box. The burners end with the run, Ctrl-C included.
+test-loaded: lint
+	$(BIN)/python -m tests.under_load --burners 2 -- $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.
 test-long: $(VENV)/.dev

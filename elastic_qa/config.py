@@ -451,6 +451,11 @@ class DebugConfig:
     """While this file exists, checkpoint writes fail with ENOSPC (the chaos `storage-errors` fault)."""
     log_fault_file: str = ""
     """While this file exists, log writes fail with ENOSPC (the chaos `log-full` fault)."""
+    hold_dir: str = ""
+    """Step holds (chaos runs): after step N, wait while `hold-N` here has no `release-N`; save at each
+    `save-N` (holds.py)."""
+    hold_timeout: timedelta = timedelta(minutes=10)
+    """The longest one step hold waits for its release before training goes on (with a warning)."""
 
     def __post_init__(self) -> None:
         _require(self.kill_at_step >= 0, "kill_at_step", self.kill_at_step, "must be >= 0")

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from elastic_qa import holds
 from elastic_qa.config import Config
 from elastic_qa.observe.log import get_logger
 
@@ -27,9 +28,10 @@ def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
     return before_file
 
 
-def after_step(cfg: Config, rank: int, step: int) -> None:
-    """After each step: `debug.step_delay`, and SIGKILL at `debug.kill_at_step` (once per run, however
-    often the step is replayed: a marker file under the run directory remembers)."""
+def after_step(cfg: Config, rank: int, step: int, stop_requested: Callable[[], bool] = lambda: False) -> None:
+    """After each step: `debug.step_delay`, SIGKILL at `debug.kill_at_step` (once per run, however often
+    the step is replayed: a marker file under the run directory remembers), and the step holds of
+    `debug.hold_dir` (holds.py; `stop_requested` ends a hold early)."""
     debug = cfg.debug
     if debug.step_delay.total_seconds() > 0:
         time.sleep(debug.step_delay.total_seconds())
@@ -40,3 +42,9 @@ def after_step(cfg: Config, rank: int, step: int) -> None:
             marker.touch()
             get_logger().warning("debug_kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+    holds.hold_after_step(cfg, step, stop_requested)
+
+
+def save_due(cfg: Config, step: int) -> bool:
+    """A checkpoint asked for at this step by a chaos run (holds.py; never outside one)."""
+    return holds.save_due(cfg, step)

@@ -271,7 +271,7 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             self._log_step(batch, stats)
-        due = decision.save or self.session.schedule.step_due(step)
+        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
         if due and not decision.stop and step < cfg.train.max_steps:
             self.session.save(reason="periodic")
         self.timer.mark("log_and_save")
@@ -280,7 +280,7 @@ class Trainer:
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
-        debug.after_step(cfg, self.ctx.rank, step)
+        debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
     def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
         state = self.state

@@ -17,6 +17,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elastic_qa.chaos.job import Job
+from elastic_qa.holds import arm
 from elastic_qa.launcher.loopback import LoopbackTCPStore
 from elastic_qa.launcher.processes import children
 from tests.conftest import tiny_overrides
@@ -98,10 +99,19 @@ def test_a_store_server_asked_for_on_127_0_0_1_listens_there_only_and_serves_its
 def test_every_socket_a_two_agent_local_job_listens_on_is_bound_to_loopback(
     tmp_path: Path, cache_dir: Path
 ) -> None:
+    # Held after step 3 (never released: killed below), so the processes are listed while they all run,
+    # however slow the machine (400 steps at full speed used to race the listing).
+    arm(tmp_path / "holds", [3])
     job = Job(
         tmp_path / "run",
         "tiny",
-        [f"data.cache_dir={cache_dir}", "train.max_steps=400", "log.every_steps=1", "log.console=none"],
+        [
+            f"data.cache_dir={cache_dir}",
+            "train.max_steps=400",
+            "log.every_steps=1",
+            "log.console=none",
+            f"debug.hold_dir={tmp_path / 'holds'}",
+        ],
         agents=2,
     )
     job.start()

@@ -131,6 +131,9 @@ class Injector:
         self.second_jobs: list[subprocess.Popen] = []
         self._stopping = threading.Event()
         self._watchers: list[threading.Thread] = []
+        # Called by an injector that hits what the job does next, once it has its target: the runner
+        # then lets the job, held at the fault's step, go on (see runner.py).
+        self.ready: Callable[[], None] = lambda: None
 
     def inject(self, fault: Fault) -> tuple[dict, threading.Event | None]:
         """Inject now: (the record, an event that is set once the fault's own window is over, if the next
@@ -212,6 +215,7 @@ class Injector:
         """SIGKILL the rank-0 worker while a checkpoint is being written (a `.tmp-...step-...` staging
         directory exists; `.tmp-step-N-deleted-*` is a checkpoint being pruned, not written)."""
         pid = rank_zero_worker(self.job)
+        self.ready()  # the job may go on to its save: this polls from now on
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             writing = [p.name for p in self.checkpoint_dir.glob(".tmp-*step-*") if "-deleted-" not in p.name]
@@ -331,9 +335,11 @@ class Injector:
         lifetime = fault.duration or 60.0
         index = len(self.second_jobs) + 1
         out_path = self.job.run_dir / "chaos" / f"second-job-{index}.log"
+        overrides = [o for o in self.job.overrides if not o.startswith("debug.hold_dir=")]
         with open(out_path, "ab") as out:
             process = subprocess.Popen(
-                [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *self.job.overrides],
+                # Not held at the main job's step holds: nobody releases them for it.
+                [self.job.python, "-m", "elastic_qa.train", "--config", self.job.config, *overrides],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 # Not part of the main job's torchrun group: none of its agent's variables.

@@ -3,11 +3,18 @@
 Each fault is injected once its trigger (a step, or a time since the start) has passed *and* the job has
 completed at least one step since the previous fault, so faults hit a training group rather than piling
 onto a regroup in progress, and every recovery can be attributed to the fault that caused it. A fault
-whose target is momentarily absent (no worker during a regroup, no checkpoint yet) is retried every 0.2 s
-until it lands or the job ends. After a fault that restarts the group the runner waits for the new group
-to train; after `log-full` for the end of its window (log lines written meanwhile are lost, and the
-verifier must not need them to attribute a restart). A second job is waited for until it is refused
-(the live job holds its run) or registers (a failure), and judged by its exit and its own lines.
+triggered at step N does not race the job: the job is held after step N (elastic_qa/holds.py, armed before
+it starts) until the fault has fired, so however slow the machine (a recovery of a minute, say) the job
+can neither run past N nor end first. The hold is released once the fault is delivered (a kill sent, a
+flag created); for `join-node` once the joining agent is admitted (a newer group has started: the held
+workers' agents stop them to regroup, which a hold never delays); for `kill-during-save`, which hits the
+job's next save (asked for at N+1), by the injector once it has its target. A fault whose target is
+momentarily absent (no worker during a regroup, no checkpoint yet) releases the hold, since the job may
+have to move on to make one, and is retried every 0.2 s until it lands or the job ends. After a fault that
+restarts the group the runner waits for the new group to train; after `log-full` for the end of its window
+(log lines written meanwhile are lost, and the verifier must not need them to attribute a restart). A
+second job is waited for until it is refused (the live job holds its run) or registers (a failure), and
+judged by its exit and its own lines.
 
 Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout: an injection has `fault`
 (kind, spec, target, step at injection, wall time); what happens later (a flag removed, a worker thawed,
@@ -29,6 +36,7 @@ from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault, ordered, restarts_group
 from elastic_qa.config import resolve_config
+from elastic_qa.holds import arm, release, release_all
 
 # Forced on every chaos run: the evidence the verifier reads.
 EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")
@@ -36,6 +44,10 @@ EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")
 # without them (it is cached by what it trains, and a slowed-down reference only costs time).
 NOT_TRAINING = ("debug.", "checkpoint.")
 RETRY_EVERY_S = 0.2
+# Faults whose hold is released before they are injected: they act on what the job does next.
+RELEASE_FIRST = frozenset({"kill-during-save"})
+# Under <run-dir>/chaos: the step holds (debug.hold_dir), one per step-triggered fault.
+HOLDS = "holds"
 # Subpackages that start, break or measure training but take no part in it: not in the code fingerprint.
 TOOLING = frozenset({"bench", "chaos", "launcher"})
 
@@ -116,6 +128,7 @@ class Runner:
         self.dist_timeout_s = cfg.dist.timeout.total_seconds()
         self.final_retry_s = cfg.checkpoint.final_retry_for.total_seconds()
         chaos = run_dir / "chaos"
+        self.hold_dir = chaos / HOLDS
         self.storage = FlagFile(chaos / "storage-fault", self.log)
         self.logs = FlagFile(chaos / "log-fault", self.log)
         self.injector = Injector(
@@ -174,19 +187,26 @@ class Runner:
                     why = "the job had already ended" if self.ended() else "the run ran out of time"
                     self.log({**record, "skipped": why})
                     continue
-                outcome = self._inject(fault, record)
+                outcome, last_progress = self._inject(fault, record)
                 if "skipped" not in outcome:
                     injected += 1
-                last_progress = self.job.progress()
             self.log({"action": "schedule_done", "requested": len(self.schedule), "injected": injected})
             return self._wait_for_exit()
         finally:
+            release_all(self.hold_dir)  # a fault skipped or a run cut short: nothing stays held
             self.injector.close()
             self.job.kill_everything()
 
-    def _inject(self, fault: Fault, record: dict) -> dict:
+    def _release(self, fault: Fault, why: str) -> None:
+        if fault.at_step is not None and release(self.hold_dir, fault.at_step):
+            self.log({"action": "released", "fault": fault.kind, "hold": fault.at_step, "why": why})
+
+    def _inject(self, fault: Fault, record: dict) -> tuple[dict, int]:
+        """Inject `fault` (retrying while it has no target); (its outcome, the step it was injected at)."""
         step = self.job.progress()
         attempt_before = self.job.attempt
+        # A fault that hits what the job does next is released by the injector once it has its target.
+        self.injector.ready = lambda: self._release(fault, "it hits the save the job makes next")
         retry_until = time.monotonic() + max(60.0, 2 * self.dist_timeout_s)
         tries, first_miss, waiter = 0, None, None
         while True:
@@ -195,6 +215,8 @@ class Runner:
                 outcome, waiter = self.injector.inject(fault)
                 break
             except NoTarget as err:  # e.g. mid-regroup: try again shortly
+                if first_miss is None:  # the job may have to move on to make a target (a checkpoint)
+                    self._release(fault, f"no target yet: {err}")
                 first_miss = first_miss or str(err)
                 if self.ended() or self.out_of_time() or time.monotonic() > retry_until:
                     outcome = {"skipped": f"no target: {err}"}
@@ -207,14 +229,32 @@ class Runner:
             outcome = {**outcome, "tries": tries, "first_miss": first_miss}
         self.log({**record, **outcome, "step": step})
         if "skipped" in outcome:
-            return outcome
+            self._release(fault, "the fault was skipped")
+            return outcome, step
+        if fault.kind == "join-node":
+            self._wait_for_admission(attempt_before)
+            self._release(fault, "the joining agent was admitted")
+        self._release(fault, "the fault was delivered")  # before any wait for the recovery it causes
         if restarts_group(fault.kind, fault.duration, self.dist_timeout_s, self.final_retry_s):
             self._wait_for_recovery(fault, outcome, attempt_before)
         if waiter is not None and fault.kind == "log-full":
             limit = (fault.duration or 60.0) + 30.0
             if not self.wait_until(waiter.is_set, limit_s=limit):
                 self.log({"action": "wait_timeout", "fault": fault.kind, "waited_for": "the fault's window"})
-        return outcome
+        return outcome, step
+
+    def _wait_for_admission(self, attempt_before: int) -> None:
+        """A join has fired once the joiner is admitted: a newer group has started (the held group's
+        agents stop it to regroup). Until then the job stays held, so it cannot end first."""
+        limit = max(120.0, 3 * self.dist_timeout_s)
+        admitted = self.wait_until(lambda: self._newest_attempt() > attempt_before, limit)
+        if not admitted and not self.ended():
+            waited_for = "the joining agent's admission"
+            self.log({"action": "wait_timeout", "fault": "join-node", "waited_for": waited_for})
+
+    def _newest_attempt(self) -> int:
+        self.job.progress()  # reads the worker_start lines logged since
+        return self.job.attempt
 
     def _wait_for_recovery(self, fault: Fault, outcome: dict, attempt_before: int) -> None:
         """One fault at a time: the next waits until a newer group has trained a step."""
@@ -260,6 +300,7 @@ def run_schedule(
     flags = [
         f"debug.storage_fault_file={chaos / 'storage-fault'}",
         f"debug.log_fault_file={chaos / 'log-fault'}",
+        f"debug.hold_dir={chaos / HOLDS}",
     ]
     fitted = fitted or {}
     job_overrides = [
@@ -272,6 +313,13 @@ def run_schedule(
     job = Job(run_dir, config, job_overrides, agents=agents, min_nodes=min_nodes, max_nodes=max_nodes)
     cfg = resolve_config(config, job.overrides)
     chaos.mkdir(parents=True, exist_ok=True)
+    # kill-during-save at N: the job saves at N+1 (asked for through the hold directory), just after the
+    # runner, holding it at N, has found its target and released it.
+    arm(
+        chaos / HOLDS,
+        [f.at_step for f in schedule if f.at_step is not None],
+        saves=[f.at_step + 1 for f in schedule if f.at_step is not None and f.kind in RELEASE_FIRST],
+    )
     (chaos / "schedule.json").write_text(json.dumps([f.to_dict() for f in schedule], indent=1))
     if fitted:
         log_line(run_dir, {"action": "fit_job", "overrides": fitted})

@@ -151,6 +151,11 @@ def validate(
         raise ValueError(f"{FINAL} spans the final save: give it at most once")
     if finals and sorted(faults, key=_order)[-1] != finals[0]:
         raise ValueError(f"{FINAL} spans the final save: it must be the last fault")
+    steps = [f.at_step for f in faults if f.at_step is not None]
+    for step in sorted({s for s in steps if steps.count(s) > 1}):
+        # The job is held after each fault's step until that fault fires, and the next fault waits for
+        # a step trained after it: two faults at one step would wait for each other.
+        raise ValueError(f"two faults at step={step}: give each fault its own step")
 
 
 def _order(fault: Fault) -> tuple[float, float]:

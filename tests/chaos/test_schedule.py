@@ -156,6 +156,15 @@ def test_an_explicit_schedule_that_could_never_fire_is_refused() -> None:
     validate([kill, parse_fault("final-storage-errors@step=39")], 2, 1, 4, max_steps=40)
 
 
+def test_an_explicit_schedule_with_two_faults_at_one_step_is_refused() -> None:
+    """The job is held after each fault's step until that fault has fired, and the next fault waits for a
+    step trained after it: two faults at one step would wait for each other."""
+    two = [parse_fault("kill-worker@step=20"), parse_fault("corrupt-checkpoint@step=20")]
+    with pytest.raises(ValueError, match="two faults at step=20"):
+        validate(two, agents=2, min_nodes=1, max_nodes=4, max_steps=40)
+    validate([two[0], parse_fault("corrupt-checkpoint@step=21")], 2, 1, 4, max_steps=40)
+
+
 def test_the_cli_refuses_bad_arguments_with_exit_code_2(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "chaos", "run", "--run-dir", str(tmp_path / "r"), "--fault", "explode@step=1"],

@@ -27,6 +27,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.data.cache import prepare
 from elastic_qa.dist import usable_cores
+from elastic_qa.holds import arm, release
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
@@ -49,6 +50,24 @@ def run_job(run_dir: Path, cache: Path, *extra: str, agents: int = 2, **kwargs) 
     job = Job(run_dir, "tiny", [f"data.cache_dir={cache}", *COMMON, *extra], agents=agents, **kwargs)
     job.start()
     return job
+
+
+def held_at(run_dir: Path, step: int) -> tuple[str, Path]:
+    """(the override, the hold directory) that hold the job after `step` until `release(dir, step)`
+    (elastic_qa/holds.py): what a test does there cannot race the job, however slow the machine."""
+    hold_dir = run_dir.parent / f"{run_dir.name}-holds"
+    arm(hold_dir, [step])
+    return f"debug.hold_dir={hold_dir}", hold_dir
+
+
+def join_while_held(job: Job, hold_dir: Path, step: int) -> None:
+    """Add an agent while the job is held after `step`; release it once the joiner is admitted (a newer
+    group trained a step): the job cannot end before the world has grown."""
+    job.wait_for_step(step)
+    before = job.attempt
+    job.join()
+    assert job.wait_for_new_attempt(after=before), "the job ended before the joining agent was admitted"
+    release(hold_dir, step)
 
 
 def finish(job: Job, timeout: float = 150) -> int:
@@ -151,13 +170,15 @@ def test_node_loss_with_three_agents_regroups_at_two(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
     run_dir = tmp_path / "run"
+    hold, hold_dir = held_at(run_dir, 15)
     # Loader workers prefetch ahead: the checkpointed cursor must still be the last completed step's.
-    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", "data.num_workers=1", agents=3)
+    job = run_job(run_dir, cache_dir, hold, "data.num_workers=1", agents=3)
     job.wait_for_step(15)
     victim = next(a for a in job.live_agents() if not a["is_host"])
     workers = job.workers(victim)
     for pid in [victim["pid"], *workers]:  # the node is gone: agent and worker at once
         os.kill(pid, signal.SIGKILL)
+    release(hold_dir, 15)
     assert finish(job) == 0
     result = assert_nothing_lost(run_dir, reference, max_lost=1, restarts=1)
     assert world_sizes(result["events"]) == [3, 2]
@@ -167,9 +188,9 @@ def test_agent_joining_grows_the_world_without_losing_a_step(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
     run_dir = tmp_path / "run"
-    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", agents=1)
-    job.wait_for_step(10)
-    job.join()
+    hold, hold_dir = held_at(run_dir, 10)
+    job = run_job(run_dir, cache_dir, hold, agents=1)
+    join_while_held(job, hold_dir, 10)
     assert finish(job) == 0
     result = assert_nothing_lost(run_dir, reference, max_lost=0, restarts=1)
     assert world_sizes(result["events"]) == [1, 2]
@@ -179,10 +200,12 @@ def test_sigterm_of_an_agent_saves_and_the_rest_continue(
     tmp_path: Path, cache_dir: Path, reference: dict
 ) -> None:
     run_dir = tmp_path / "run"
-    job = run_job(run_dir, cache_dir, "debug.step_delay=100ms", agents=2)
+    hold, hold_dir = held_at(run_dir, 15)
+    job = run_job(run_dir, cache_dir, hold, agents=2)
     job.wait_for_step(15)
     victim = next(a for a in job.live_agents() if not a["is_host"])
     os.kill(victim["pid"], signal.SIGTERM)
+    release(hold_dir, 15)
     assert finish(job) == 0
     result = assert_nothing_lost(run_dir, reference, max_lost=0, restarts=1)
     assert world_sizes(result["events"]) == [2, 1]

@@ -18,7 +18,13 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
-from tests.integration.test_elastic import assert_nothing_lost, finish, world_sizes
+from tests.integration.test_elastic import (
+    assert_nothing_lost,
+    finish,
+    held_at,
+    join_while_held,
+    world_sizes,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -86,11 +92,9 @@ def test_an_agent_joining_an_hf_run_grows_the_world_and_matches_the_fault_free_r
 ) -> None:
     reference = fault_free(tmp_path / "reference", cache_dir, hf_models["roberta"], "model.dropout=0.0")
     run_dir = tmp_path / "run"
-    job = hf_job(
-        run_dir, cache_dir, hf_models["roberta"], "model.dropout=0.0", "debug.step_delay=500ms", agents=1
-    )
-    job.wait_for_step(1)  # ~14 s of steps left: the second agent joins while the first still trains
-    job.join()
+    hold, hold_dir = held_at(run_dir, 2)
+    job = hf_job(run_dir, cache_dir, hf_models["roberta"], "model.dropout=0.0", hold, agents=1)
+    join_while_held(job, hold_dir, 2)  # the job cannot end before the second agent is admitted
     assert finish(job) == 0
     result = assert_nothing_lost(run_dir, reference, max_lost=0, restarts=1, max_steps=STEPS)
     assert world_sizes(result["events"]) == [1, 2]
