@@ -90,11 +90,14 @@ def _wait_for_release(
     cfg: Config, hold_dir: Path, hold: int, step: int, stop_requested: Callable[[], bool]
 ) -> None:
     released = hold_dir / _name(RELEASE, hold)
-    if released.exists():
-        return
     log = get_logger()
     timeout = cfg.debug.hold_timeout.total_seconds()
-    log.info("hold", step=step, hold=hold, waiting_for=str(released), timeout_s=timeout)
+    # Said even when the release came first (the driver saw step N logged and fired before this rank got
+    # here): the evidence that the job did not pass N before the fault is this line, either way.
+    already = released.exists()
+    log.info("hold", step=step, hold=hold, waiting_for=str(released), timeout_s=timeout, released=already)
+    if already:
+        return
     started = time.monotonic()
     while not released.exists():
         if stop_requested():  # a stop (SIGTERM from a regrouping agent, Ctrl-C) is never held up
