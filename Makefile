@@ -1,6 +1,6 @@
 # The commands of the README. run and test create .venv and install what they need on a fresh clone.
 #   make run    train the default config with two elastic torchrun agents on this host, print EM/F1
-#   make test   ruff + the test suite (unit and real-torchrun integration tests)
+#   make test   ruff, mypy and the test suite (unit and real-torchrun integration tests)
 #   make test-loaded  the same beside two busy processes (a loaded machine)
 #   make gpu-check  on a machine with one GPU: nccl, bf16/fp16, a killed worker resumed; figures and checks
 # Bring your own torch (e.g. a CUDA build): install it into .venv first, or set TORCH_SPEC.
@@ -38,9 +38,11 @@ dev: $(VENV)/.dev
 run: $(VENV)/.installed
 	PYTHON=$(BIN)/python launch/local.sh start --agents 2 run.dir=$(RUN_DIR) $(ARGS)
 
+# mypy reads its settings (files included) from pyproject.toml's [tool.mypy].
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 
 # Two pytest processes (pytest-xdist): most tests wait on real torchrun jobs, rendezvous and timeouts, so
 # two at a time keep two cores busy. TEST_WORKERS=0 runs them in this one process.
@@ -65,4 +67,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m elastic_qa.bench.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,7 @@ def _write_json(path: Path, value: Any) -> None:
     staging.replace(path)
 
 
-def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[list[QAExample], Features]:
+def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[Sequence[QAExample], Features]:
     cfg, family = loaded.cfg, loaded.family
     if args.data:
         examples, _ = read_squad(args.data, cfg.data.skip_malformed)
@@ -113,10 +114,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = loaded.cfg
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
     examples, features = _eval_data(args, loaded)
-    predictions, _ = predict(
+    result = predict(
         loaded.model, loaded.family, features, examples, cfg.train.eval_batch_size,
         cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
     )  # fmt: skip
+    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
+    predictions, _ = result
     golds = {e.id: [a.text for a in e.answers] for e in examples}
     answers = {qid: p.answer for qid, p in predictions.items()}
     null_odds = {qid: p.null_odds for qid, p in predictions.items()}
@@ -157,10 +160,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
     example = QAExample("ask", args.question, args.context, ())
     features = loaded.family.features([example], cfg)
-    predictions, _ = predict(
+    result = predict(
         loaded.model, loaded.family, features, [example], cfg.train.eval_batch_size,
         cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
     )  # fmt: skip
+    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
+    predictions, _ = result
     p = predictions["ask"]
     if args.json:
         answered = bool(p.answer)

@@ -561,7 +561,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
             raise ConfigError(f"{where}: unknown key (known: {', '.join(by_yaml)})")
         f = by_yaml[key]
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a hint is a class, never an instance
             kwargs[f.name] = _build(hint, value, where)
         else:
             kwargs[f.name] = _coerce(where, hint, value)

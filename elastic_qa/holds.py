@@ -17,7 +17,7 @@ costs a comparison, plus one stat per step while a passed hold is not yet releas
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elastic_qa.config import Config
@@ -36,7 +36,7 @@ def _name(prefix: str, step: int) -> str:
     return f"{prefix}{step:08d}"
 
 
-def arm(hold_dir: Path, steps: list[int], saves: list[int] = ()) -> None:
+def arm(hold_dir: Path, steps: Sequence[int], saves: Sequence[int] = ()) -> None:
     """Driver side, before the job starts: hold the job after each of `steps`, and have it save a
     checkpoint at each of `saves` (a save to hit: kill-during-save, released just before it)."""
     hold_dir.mkdir(parents=True, exist_ok=True)

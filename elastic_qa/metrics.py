@@ -112,7 +112,8 @@ def find_best_threshold(
     keeping the threshold at which the running score peaked (ties keep the lower threshold; 0.0 if
     answering nothing is best).
     """
-    current = best = sum(1 for qid in scores if not has_answer[qid])
+    current: float = sum(1 for qid in scores if not has_answer[qid])
+    best = current
     best_threshold = 0.0
     for qid in sorted(null_odds, key=lambda q: null_odds[q]):
         if qid not in scores:

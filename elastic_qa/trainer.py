@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
@@ -237,7 +238,8 @@ class Trainer:
         for i, lo in enumerate(starts):
             rows = slice(lo, lo + micro)
             sync = i == len(starts) - 1 or not self.ctx.distributed
-            with model.no_sync() if not sync else nullcontext():
+            # Not syncing means distributed: then wrap_model made the model a DistributedDataParallel.
+            with cast(DistributedDataParallel, model).no_sync() if not sync else nullcontext():
                 with torch.autocast(
                     device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 ):
@@ -291,7 +293,9 @@ class Trainer:
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         local_loss = (local[0] / local[1].clamp(min=1)).item()
         rate = self.timer.samples_per_s(batch["global_count"])
-        lr = state.scheduler.get_last_lr()[0]
+        lr = float(
+            state.scheduler.get_last_lr()[0]
+        )  # a float here (optim.lr is one); torch types it float | Tensor
         grad_norm = float(stats["grad_norm"])
         self.log.info(
             "step",

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from types import FrameType
 
 import structlog
 
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
     keep = args.work_dir is not None
     stopped_by: list[int] = []
 
-    def stop(signum: int, _frame) -> None:
+    def stop(signum: int, _frame: FrameType | None) -> None:
         stopped_by.append(signum)
         raise KeyboardInterrupt  # the unwinding of Ctrl-C: each benchmark's `finally` ends its runs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,7 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def choice_list(choices: Sequence[str]):
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     """argparse type: a comma-separated subset of `choices`, in the order given."""
 
     def parse(text: str) -> list[str]:

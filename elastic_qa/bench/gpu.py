@@ -112,7 +112,9 @@ def print_environment(env: dict[str, Any]) -> None:
         print(banner)
 
 
-def case_overrides(args: argparse.Namespace, name: str, cuda: bool, work: Path, hf_model: Path | None):
+def case_overrides(
+    args: argparse.Namespace, name: str, cuda: bool, work: Path, hf_model: Path | None
+) -> tuple[str, list[str]]:
     """(config, overrides) of one case: the user's overrides first, then the settings the check needs."""
     family, precision = CASES[name]
     config = args.config if family == "native" else "hf-tiny"

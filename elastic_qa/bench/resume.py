@@ -33,7 +33,7 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import bench_config, events_of, run_logged, start_tied, worker_env
 from elastic_qa.checkpoint.state import TRAINER_FILE
-from elastic_qa.checkpoint.store import CheckpointStore, serialize
+from elastic_qa.checkpoint.store import CheckpointStore, open_store, serialize
 from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
@@ -66,7 +66,7 @@ def base_checkpoint(config: str, overrides: list[str], run_dir: Path) -> tuple[C
     ]
     command = [sys.executable, "-m", "elastic_qa.train", *args]
     run_logged("base run", command, run_dir / "output.log", worker_env(), timeout=600)
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     return store, store.list_steps()[-1].path
 
 
@@ -78,7 +78,7 @@ def moved_copy(store: CheckpointStore, path: str, samples: int, target: Path) ->
     trainer["data"].update(epoch=0, samples_consumed=samples)  # the one data position
     files[TRAINER_FILE] = serialize(trainer)
     fields = {key: value for key, value in manifest.items() if key not in OWN_MANIFEST_FIELDS}
-    copy = CheckpointStore(str(target))
+    copy = open_store(str(target))
     committed = copy.commit(manifest["step"], files, fields)
     if not copy.verify(committed).ok:
         raise BenchError(f"the moved checkpoint in {target} does not verify")

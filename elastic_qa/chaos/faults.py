@@ -383,6 +383,7 @@ class Injector:
                     **record,
                     "skipped": f"the second job exited {process.returncode} before registering",
                 }, ended
+            assert self.job.process is not None  # a fault is injected into a started job
             if self.job.progress() >= self.max_steps or self.job.process.poll() is not None:
                 reason.append("the main job reached max_steps before the second job registered")
                 stop.set()

@@ -23,19 +23,21 @@ a second job's exit, the job's exit code) has `action`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from elastic_qa.chaos.evidence import final_parameters, run_config
 from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault, ordered, restarts_group
-from elastic_qa.config import resolve_config
+from elastic_qa.config import Config, resolve_config
 from elastic_qa.holds import arm, release, release_all
 
 # Forced on every chaos run: the evidence the verifier reads.
@@ -120,7 +122,7 @@ def reference_run(config: str, overrides: list[str], agents: int, cache_root: Pa
 
 class Runner:
     def __init__(
-        self, run_dir: Path, job: Job, schedule: list[Fault], seed: int, timeout: float, cfg
+        self, run_dir: Path, job: Job, schedule: list[Fault], seed: int, timeout: float, cfg: Config
     ) -> None:
         self.run_dir, self.job, self.schedule, self.cfg = run_dir, job, schedule, cfg
         self.timeout = timeout
@@ -147,12 +149,13 @@ class Runner:
 
     # ---- waiting --------------------------------------------------------------------------------------
     def ended(self) -> bool:
+        assert self.job.process is not None  # run_chaos starts the job before the Runner runs
         return self.job.process.poll() is not None
 
     def out_of_time(self) -> bool:
         return time.monotonic() - self.started > self.timeout
 
-    def wait_until(self, condition, limit_s: float, poll_s: float = 0.05) -> bool:
+    def wait_until(self, condition: Callable[[], object], limit_s: float, poll_s: float = 0.05) -> bool:
         """Poll `condition` until it holds (True), the job ends, time is up, or `limit_s` passes."""
         deadline = time.monotonic() + limit_s
         while not condition():
@@ -182,7 +185,7 @@ class Runner:
                     "index": index,
                     "of": len(self.schedule),
                 }
-                self.wait_until(lambda f=fault, p=last_progress: self._due(f, p), limit_s=float("inf"))
+                self.wait_until(functools.partial(self._due, fault, last_progress), limit_s=float("inf"))
                 if self.ended() or self.out_of_time():
                     why = "the job had already ended" if self.ended() else "the run ran out of time"
                     self.log({**record, "skipped": why})
@@ -278,6 +281,7 @@ class Runner:
             self.job.kill_everything()
             code = 124
         else:
+            assert self.job.process is not None  # ended() saw it
             code = self.job.process.returncode
         self.log({"action": "job_exit", "exit_code": code})
         return code

@@ -19,7 +19,7 @@ import yaml
 
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.state import TRAINER_FILE
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_of
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, open_store, step_of
 from elastic_qa.config import CheckpointConfig
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run directory holds
@@ -36,7 +36,7 @@ class CheckpointLocation:
     step: int | None = None
 
     def store(self) -> CheckpointStore:
-        return CheckpointStore(self.directory)
+        return open_store(self.directory)
 
     def checkpointer(self) -> Checkpointer:
         return Checkpointer(CheckpointConfig(), self.store())
@@ -49,7 +49,7 @@ def resolve_checkpoint_path(path: str, must_hold_checkpoints: bool = True) -> Ch
     holds no checkpoint directory at all (no step-N entry, committed or not).
     """
     given = path
-    probe = CheckpointStore(path.rstrip("/") or "/")
+    probe = open_store(path.rstrip("/") or "/")
     fs, root = probe.fs, probe.root
     if not fs.exists(root):
         raise CheckpointError(f"{given} does not exist (expected {FORMS})")
@@ -62,7 +62,7 @@ def resolve_checkpoint_path(path: str, must_hold_checkpoints: bool = True) -> Ch
         return CheckpointLocation(given, path.rstrip("/") or "/")
     directory = _run_checkpoint_dir(probe)
     if directory is not None:
-        inner = CheckpointStore(directory)
+        inner = open_store(directory)
         if inner.list_steps(committed_only=False) or not must_hold_checkpoints:
             return CheckpointLocation(given, directory)
         raise CheckpointError(f"{given}: the run has no checkpoints yet (in {inner.url})")
@@ -94,7 +94,7 @@ def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | Non
 def newest_saved_trainer(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
     """(step, trainer.pt's contents) of the newest checkpoint whose trainer.pt verifies, loads and holds
     a config; None when there is none."""
-    store = CheckpointStore(checkpoint_dir)
+    store = open_store(checkpoint_dir)
     try:
         infos = store.list_steps()
     except OSError:  # unreadable: the worker's own restore says so, with the reason

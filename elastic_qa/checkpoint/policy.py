@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from elastic_qa.config import CheckpointConfig
 
@@ -12,7 +13,7 @@ RETRY_FIRST_S = 5.0  # the first retry after a failed save
 class SaveSchedule:
     """Rank 0's view of whether a periodic save is due; the trainer broadcasts its answer to all ranks."""
 
-    def __init__(self, cfg: CheckpointConfig, clock=time.monotonic) -> None:
+    def __init__(self, cfg: CheckpointConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = cfg.interval.total_seconds()
         self.every_steps = cfg.every_steps
         self.milestone_steps = cfg.keep_every_steps

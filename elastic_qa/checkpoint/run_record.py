@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -49,7 +50,7 @@ class RunRecord:
     format: int = RECORD_FORMAT
 
 
-def is_run_id(text: object) -> bool:
+def is_run_id(text: object) -> TypeGuard[str]:
     return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 

@@ -36,6 +36,7 @@ from elastic_qa.data.features import BuiltinFeaturizer, Features
 from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish, read_holder
 from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
 from elastic_qa.data.squad import DataError, QAExample
+from elastic_qa.data.tokenizer import Tokenizer
 from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.observe.log import get_logger
 
@@ -66,9 +67,13 @@ class Featurizer(Protocol):
     """What turns examples into a model's windows (a `models.ModelFamily` is one); see its fields, and
     its optional `store_vocabulary`."""
 
-    tokenizer: Any
-    features: Any
-    cache_identity: Any
+    # Read-only: a ModelFamily is a frozen dataclass, and BuiltinFeaturizer has static methods.
+    @property
+    def tokenizer(self) -> Callable[[Config], Tokenizer]: ...
+    @property
+    def features(self) -> Callable[[list[QAExample], Config], Features]: ...
+    @property
+    def cache_identity(self) -> Callable[[Config], dict[str, Any]]: ...
 
 
 def _resolve(config: Config | DataConfig, featurizer: Featurizer | None) -> tuple[Config, Featurizer]:
@@ -180,7 +185,7 @@ def cache_key(config: Config | DataConfig, featurizer: Featurizer | None = None)
 
 
 def _read_split(directory: Path, windows: int) -> Features:
-    columns = {}
+    columns: dict[str, Any] = {}  # the Features fields: arrays, and None for absent offsets
     for name in Features.COLUMNS:
         path = directory / f"{name}.npy"
         if name == "offsets" and not path.exists():  # kept for the evaluation split only
@@ -340,8 +345,8 @@ def _unwritable(err: OSError, root: Path) -> bool:
     that cannot be read is not this."""
     if err.errno not in _UNWRITABLE or err.filename is None:
         return False
-    path, root = os.path.abspath(err.filename), os.path.abspath(root)
-    return path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep)
+    path, base = os.path.abspath(err.filename), os.path.abspath(root)
+    return path == base or path.startswith(base + os.sep) or base.startswith(path + os.sep)
 
 
 def _queue_on(lock: IO[str], waiting: BuildWait) -> None:

@@ -161,7 +161,7 @@ class RunHold:
         except FileNotFoundError:
             return []
         mine = self._path(self.run_id).rsplit("/", 1)[-1]
-        found = []
+        found: list[tuple[str, HoldRecord | None]] = []
         for name in names:
             base = name.rstrip("/").rsplit("/", 1)[-1]
             if not base.endswith(".json") or base.startswith(".") or base == mine:

@@ -41,7 +41,7 @@ from elastic_qa.checkpoint.run_record import (
     write_record,
 )
 from elastic_qa.checkpoint.state import rng_state, versions
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
+from elastic_qa.checkpoint.store import CheckpointError, open_store, step_dir_name
 from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
@@ -63,7 +63,7 @@ class CheckpointSession:
         self.cfg, self.ctx, self.state = cfg, ctx, state
         self.control_group = control_group
         self.log = get_logger()
-        self.store = CheckpointStore(cfg.checkpoint_dir)
+        self.store = open_store(cfg.checkpoint_dir)
         self.fence = Fence(self.store)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.store, may_commit=self.fence.check, before_file=storage_fault_hook(cfg)
@@ -316,16 +316,17 @@ class CheckpointSession:
         if files is not None:
             self._write(files, reason, blocking=False)
 
-    def _files(self, gather_rng: bool = True) -> dict[str, Any] | None:
-        """The checkpoint files (None on ranks other than 0 when gathering: rank 0 writes)."""
-        rngs = (
-            gather_rng_states(self.ctx, self.control_group)
-            if gather_rng
-            else {str(self.ctx.rank): rng_state()}
-        )
-        if not self.ctx.is_main and gather_rng:
+    def _files(self) -> dict[str, Any] | None:
+        """The checkpoint files with every rank's RNG state (collective; None on ranks other than 0:
+        rank 0 writes)."""
+        rngs = gather_rng_states(self.ctx, self.control_group)
+        if not self.ctx.is_main:
             return None
         return self.state.state_dict(rngs, self.attempt)
+
+    def _own_files(self) -> dict[str, Any]:
+        """The checkpoint files with this rank's RNG state only (no collective: any rank may write)."""
+        return self.state.state_dict({str(self.ctx.rank): rng_state()}, self.attempt)
 
     def _write(
         self, files: dict[str, Any], reason: str, blocking: bool, ignore_failures: bool = False
@@ -391,7 +392,7 @@ class CheckpointSession:
             time.sleep(min(self.ctx.rank, 8) * 0.2)
             if self._committed_by_us(step):
                 return
-            files = self._files(gather_rng=False)
+            files = self._own_files()
             if not self._save_until_committed(files, "emergency", self.cfg.checkpoint.emergency_retry_for):
                 self._report_uncommitted("emergency")
         except Exception as err:  # noqa: BLE001 - already failing: report, never mask the cause
@@ -459,7 +460,8 @@ class CheckpointSession:
 
 def _uuid_words(run: str) -> tuple[int, int]:
     """A 32-hex-digit run uuid as two signed 64-bit integers (to travel in an int64 tensor)."""
-    return tuple(int.from_bytes(bytes.fromhex(run[i : i + 16]), "big", signed=True) for i in (0, 16))
+    high, low = (int.from_bytes(bytes.fromhex(run[i : i + 16]), "big", signed=True) for i in (0, 16))
+    return high, low
 
 
 def _uuid_of(high: int, low: int) -> str:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
@@ -57,7 +58,7 @@ ON_LOOPBACK = "elastic_qa.launcher.loopback"
 PRIVATE_UMASK = 0o077
 
 
-def log_action(run_dir: Path | None, event: str, **fields) -> None:
+def log_action(run_dir: Path | None, event: str, **fields: Any) -> None:
     """One JSON record in <run.dir>/agents/launch.jsonl (never on the terminal: that gets sentences)."""
     line = json.dumps({"event": event, "ts": round(time.time(), 3), **fields})
     if run_dir is not None:

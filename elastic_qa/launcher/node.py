@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint, plan_network
@@ -77,7 +79,7 @@ class NodeLog:
         self.path = run_dir / "nodes" / f"{file_safe(node)}.jsonl"
         self.node = node
 
-    def __call__(self, event: str, **fields) -> None:
+    def __call__(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "ts": round(time.time(), 3), "node": self.node, **fields})
         print(line, file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):  # the console line is said; a shared disk may be full
@@ -294,7 +296,7 @@ def run_node(args: argparse.Namespace) -> int:
     stopped_by: list[int] = []
     agents: list[subprocess.Popen] = []
 
-    def forward(signum: int, _frame) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         # SIGTERM whatever the signal: torchrun stops its workers on each alike, but an agent started
         # from a script (`cmd &`) inherits SIGINT ignored and would wait out its join timeout.
         stopped_by.append(signum)
@@ -332,7 +334,15 @@ def run_node(args: argparse.Namespace) -> int:
     return finish(args, endpoint, run_dir, code, stopped_by, crash, log)
 
 
-def finish(args, endpoint, run_dir: Path, code: int, stopped_by: list[int], crash: dict, log) -> int:
+def finish(
+    args: argparse.Namespace,
+    endpoint: Endpoint,
+    run_dir: Path,
+    code: int,
+    stopped_by: list[int],
+    crash: dict,
+    log: NodeLog,
+) -> int:
     """This command's exit code, and one plain sentence when the job did not finish."""
     if crash:
         log("node_end", exit=EXIT_BAD_INPUT if crash["bad_input"] else EXIT_FAILED, agent_exit=code)

@@ -71,10 +71,10 @@ class JobMonitor:
 def newest_saved_step(checkpoint_dir: str) -> int | None:
     """The step of the newest committed checkpoint, or None (none, or the store cannot be read)."""
     # Here, not at the top: it imports torch, which `join`, `leave` and `stop` should not wait for.
-    from elastic_qa.checkpoint.store import CheckpointStore
+    from elastic_qa.checkpoint.store import open_store
 
     try:
-        steps = CheckpointStore(checkpoint_dir).list_steps()
+        steps = open_store(checkpoint_dir).list_steps()
     except (OSError, ValueError):
         return None
     return steps[-1].step if steps else None

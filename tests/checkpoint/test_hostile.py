@@ -108,7 +108,8 @@ def test_ckpt_verify_reports_a_checkpoint_pruned_while_verifying_as_gone_not_bad
 ) -> None:
     for step in (10, 20, 30):
         store.commit(step, small_files(step), manifest_fields())
-    monkeypatch.setattr(locate, "CheckpointStore", pruned_underfoot(step_dir_name(20), when))
+    pruned = pruned_underfoot(step_dir_name(20), when)
+    monkeypatch.setattr(locate, "open_store", lambda url: pruned(url))
 
     code = inspect.cmd_verify(store.url)
 
@@ -123,7 +124,8 @@ def test_ckpt_list_leaves_out_a_checkpoint_pruned_while_listing(
 ) -> None:
     for step in (10, 20):
         store.commit(step, small_files(step), manifest_fields())
-    monkeypatch.setattr(locate, "CheckpointStore", pruned_underfoot(step_dir_name(10), "after-manifest"))
+    pruned = pruned_underfoot(step_dir_name(10), "after-manifest")
+    monkeypatch.setattr(locate, "open_store", lambda url: pruned(url))
 
     assert inspect.cmd_list(store.url) == 0
 
