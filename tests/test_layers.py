@@ -1,8 +1,8 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
-0  the package root, config, exits, network
-1  dist, data, models, observe, checkpoint, metrics, debug
-2  state, optim, evaluate, export
+0  the package root, config, exits, network, liveness
+1  dist, data, models, observe, checkpoint, metrics, debug, holds
+2  state, optim, evaluate, export, output_paths
 3  elastic (control plane, session, fencing, signals, watchdog)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher (bench may use chaos and the launcher, chaos the
@@ -17,9 +17,9 @@ from collections import defaultdict
 from tests.conftest import REPO
 
 LAYERS = {
-    "elastic_qa": 0, "config": 0, "config_changes": 0, "exits": 0, "network": 0,
-    "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1,
-    "state": 2, "optim": 2, "evaluate": 2, "export": 2,
+    "elastic_qa": 0, "config": 0, "config_changes": 0, "exits": 0, "network": 0, "liveness": 0,
+    "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
+    "state": 2, "optim": 2, "evaluate": 2, "export": 2, "output_paths": 2,
     "elastic": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5,
