@@ -52,8 +52,13 @@ test: lint
 
 # `make test` beside two busy processes (tests/under_load.py): a test that waits on luck instead of an
 # event fails here, not on a loaded CI box. The burners end with the run, Ctrl-C included.
+# Then `ckpt verify` over every run directory the suite left there (tests.leftovers): what a killed,
+# faulted or stopped job left must verify.
+LOADED_BASETEMP ?= /tmp/elastic-qa-test-loaded
 test-loaded: lint
-	$(BIN)/python -m tests.under_load --burners 2 -- $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+	$(BIN)/python -m tests.under_load --burners 2 -- \
+	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --basetemp=$(LOADED_BASETEMP) $(ARGS)
+	$(BIN)/python -m tests.leftovers $(LOADED_BASETEMP)
 
 # The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.
 test-long: $(VENV)/.dev
