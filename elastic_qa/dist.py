@@ -51,16 +51,22 @@ def under_torchrun_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def torchrun_agent_pid() -> int | None:
-    """The pid of the live torchrun agent that started this process (its parent), else None.
-
-    Call it at start-up, before the agent can have died. A parent that is pid 1 is no agent to watch:
-    either the process was re-parented already (to init) or the agent is the container's init, whose
-    end ends every process in it. A parent that is a subreaper cannot be told from outside, but neither
-    does it change while the process lives, which is all the watchdog looks for.
-    """
-    parent = os.getppid()
-    return parent if under_torchrun_agent() and parent > 1 else None
+def all_gather_bytes(payload: bytes, world_size: int, group: object) -> list[bytes]:
+    """Every rank's `payload`, in rank order, on every rank: the lengths, then the bytes padded to the
+    longest, in uint8 tensors (a collective: every rank calls it). The receiver decides how to read them
+    (json, weights_only torch.load): nothing here is unpickled."""
+    mine = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()]), group=group)
+    padded = torch.zeros(int(max(size.item() for size in sizes)), dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded, group=group)
+    return [part[: int(size.item())].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
 
 
 def init_distributed(cfg: DistConfig) -> DistContext:

@@ -61,6 +61,18 @@ def start_time(pid: int) -> int | None:
     return None
 
 
+def torchrun_agent_pid() -> int | None:
+    """The pid of the live torchrun agent that started this process (its parent), else None.
+
+    Call it at start-up, before the agent can have died. A parent that is pid 1 is no agent to watch:
+    either the process was re-parented already (to init) or the agent is the container's init, whose
+    end ends every process in it. A parent that is a subreaper cannot be told from outside, but neither
+    does it change while the process lives, which is all the watchdog looks for.
+    """
+    parent = os.getppid()
+    return parent if "TORCHELASTIC_RUN_ID" in os.environ and parent > 1 else None
+
+
 def pid_runs(pid: int) -> bool:
     """`pid` exists and is not a zombie (a killed process its parent has not reaped yet)."""
     if pid <= 0:

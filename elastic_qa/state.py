@@ -22,7 +22,6 @@ import io
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.checkpoint.state import (
@@ -35,7 +34,7 @@ from elastic_qa.checkpoint.state import (
 )
 from elastic_qa.config import Config
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.dist import DistContext, unwrap
+from elastic_qa.dist import DistContext, all_gather_bytes, unwrap
 from elastic_qa.optim import retarget_schedule
 
 STATE_FORMAT = 2
@@ -184,17 +183,7 @@ def gather_rng_states(ctx: DistContext, group: Any) -> dict[str, Any]:
         return {"0": mine}
     buffer = io.BytesIO()
     torch.save(mine, buffer)
-    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
-    widest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(widest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, padded, group=group)
+    parts = all_gather_bytes(buffer.getvalue(), ctx.world_size, group)
     if not ctx.is_main:
         return {}
-    return {
-        str(rank): torch.load(io.BytesIO(part[: int(size.item())].numpy().tobytes()), weights_only=True)
-        for rank, (part, size) in enumerate(zip(parts, sizes, strict=True))
-    }
+    return {str(rank): torch.load(io.BytesIO(part), weights_only=True) for rank, part in enumerate(parts)}

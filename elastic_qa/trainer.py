@@ -293,9 +293,7 @@ class Trainer:
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         local_loss = (local[0] / local[1].clamp(min=1)).item()
         rate = self.timer.samples_per_s(batch["global_count"])
-        lr = float(
-            state.scheduler.get_last_lr()[0]
-        )  # a float here (optim.lr is one); torch types it float | Tensor
+        lr = float(state.scheduler.get_last_lr()[0])  # a float already; torch types it float | Tensor
         grad_norm = float(stats["grad_norm"])
         self.log.info(
             "step",

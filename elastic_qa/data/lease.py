@@ -26,14 +26,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from elastic_qa.liveness import HOST, Holder, Verdict, judge, pid_runs, this_process
+from elastic_qa.liveness import HOST, Holder, Verdict, judge, this_process
 
 HEARTBEAT_S = 5.0
 STALE_S = 120.0  # no heartbeat for this long: the holder's host is taken for dead
-
-
-def pid_alive(pid: int) -> bool:
-    return pid_runs(pid)
 
 
 def _holder_dead(host: str, pid: int, age: float) -> bool:

@@ -41,7 +41,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic_qa.liveness import Holder, Verdict, judge_all, this_process
+from elastic_qa.liveness import Holder, Verdict, judge_all, this_process, torchrun_agent_pid
 
 HOLDERS_DIR = "holders"
 HEARTBEAT_S = 10.0
@@ -56,17 +56,12 @@ class RunHeldError(Exception):
     """Another live job holds the run: this start must not go on (exit 2, never fencing that job)."""
 
 
-def agent_pid() -> int | None:
-    """The torchrun agent that started this worker (its parent), or None outside torchrun."""
-    return os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
-
-
 def local_processes() -> list[dict[str, Any]]:
     """This worker and its agent, as the hold records them (each rank sends its own to rank 0): while
     the agent lives the job lives, even between a worker's death and the group's restart."""
     found = [this_process().to_dict()]
-    parent = agent_pid()
-    if parent is not None and parent > 1:
+    parent = torchrun_agent_pid()
+    if parent is not None:
         found.append(this_process(parent).to_dict())
     return found
 

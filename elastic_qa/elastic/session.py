@@ -45,7 +45,7 @@ from elastic_qa.checkpoint.store import CheckpointError, open_store, step_dir_na
 from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
-from elastic_qa.dist import DistContext
+from elastic_qa.dist import DistContext, all_gather_bytes
 from elastic_qa.elastic.fencing import Fence
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
@@ -242,31 +242,23 @@ class CheckpointSession:
         processes = local_processes()
         if self.ctx.distributed:
             processes = [process for rank in self._gather_json(processes) for process in rank]
-        refused, message = torch.zeros(1, dtype=torch.int64), ""
+        refused, message = torch.zeros(1, dtype=torch.int64), b""  # the refusal's length in bytes
         if self.ctx.is_main:
             try:
                 self.hold.acquire(unique(processes), self.log)
                 self.hold.start_heartbeat(self.log)
             except RunHeldError as err:
-                refused[0], message = 1, str(err)
+                message = (str(err) or "another live job holds this run").encode()[:_MAX_REFUSAL]
+                refused[0] = len(message)
         if self.ctx.distributed:
             dist.broadcast(refused, src=0, group=self.control_group)
-        if refused[0]:
-            raise RunHeldError(message or "another live job holds this run (rank 0's stderr names it)")
+        if refused[0]:  # every rank fails with rank 0's line, as a refused restore does
+            raise RunHeldError(self._shared_refusal(message, int(refused[0])))
 
     def _gather_json(self, mine: Any) -> list[Any]:
-        """Every rank's `mine` (plain JSON values), moved as bytes and read with json: never unpickled."""
-        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ctx.world_size)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.control_group)
-        padded = torch.zeros(int(max(size.item() for size in sizes)), dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=self.control_group)
-        return [
-            json.loads(part[: int(size.item())].numpy().tobytes())
-            for part, size in zip(parts, sizes, strict=True)
-        ]
+        """Every rank's `mine` (plain JSON values), read with json: never unpickled."""
+        parts = all_gather_bytes(json.dumps(mine).encode(), self.ctx.world_size, self.control_group)
+        return [json.loads(part) for part in parts]
 
     def register(self) -> int:
         """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""

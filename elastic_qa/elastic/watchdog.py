@@ -21,9 +21,9 @@ import threading
 import time
 from datetime import timedelta
 
-from elastic_qa.dist import torchrun_agent_pid
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.exits import EXIT_AGENT_LOST
+from elastic_qa.liveness import torchrun_agent_pid
 from elastic_qa.observe.log import get_logger
 
 

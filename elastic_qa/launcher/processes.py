@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import elastic_qa
+from elastic_qa.liveness import pid_runs as alive
 
 PR_SET_PDEATHSIG = 1
 # Looked up once, here: a child between fork and exec must not load libraries (another thread may have
@@ -22,21 +23,6 @@ try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux
     _prctl = None
-
-
-def alive(pid: int) -> bool:
-    """A running process; a killed one that its parent has not reaped yet (a zombie) is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def children(pid: int) -> list[int]:
