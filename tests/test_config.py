@@ -34,9 +34,9 @@ def config_error(*overrides: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["default", "tiny", "squad"])
+@pytest.mark.parametrize("name", ["default", "tiny", "squad", "hf-tiny", "hf-base"])
 def test_every_packaged_config_loads(name):
-    cfg = load_config(packaged_config(name))
+    cfg = load_config(packaged_config(name), complete=False)
     assert isinstance(cfg, Config)
 
 
@@ -322,6 +322,52 @@ def test_model_kind_hf_needs_a_name_or_path_and_native_refuses_one():
     assert "model.name_or_path='bert-base-uncased': only read by kind=hf" in config_error(
         "model.name_or_path=bert-base-uncased"
     )
+
+
+def test_an_hf_config_without_a_model_loads_only_for_showing_and_names_what_is_unset():
+    with pytest.raises(ConfigError, match=r"^model\.name_or_path='': needed by kind=hf$"):
+        load_config(packaged_config("hf-tiny"))
+    shown = load_config(packaged_config("hf-tiny"), complete=False)
+    assert shown.unset() == "model.name_or_path='': needed by kind=hf"
+    assert load_config(packaged_config("hf-tiny"), ["model.name_or_path=/m"]).unset() is None
+
+
+def test_train_with_an_hf_config_without_a_model_exits_2_with_the_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(tmp_path, "--config", "hf-tiny", f"run.dir={run_dir}")
+    assert_bad_config_exit(result, run_dir, "model.name_or_path='': needed by kind=hf")
+
+
+def test_lr_schedule_is_cosine_unless_set_to_linear_or_constant():
+    assert tiny().train.lr_schedule == "cosine"
+    assert tiny("train.lr_schedule=linear").train.lr_schedule == "linear"
+    assert "train.lr_schedule='step': must be one of cosine, linear, constant" in config_error(
+        "train.lr_schedule=step"
+    )
+
+
+def test_dropout_null_is_the_pretrained_models_own_for_hf_and_zero_for_native():
+    hf = ("model.kind=hf", "model.name_or_path=/m")
+    assert tiny(*hf).model.dropout is None
+    assert tiny(*hf, "model.dropout=0.2").model.dropout == 0.2
+    assert yaml.safe_load(tiny(*hf).to_yaml())["model"]["dropout"] is None
+    assert config_from_dict(tiny(*hf).to_dict()).model.dropout is None
+    # native: null resolves to 0.0, so a native config reads (and digests) exactly as before null existed
+    assert tiny("model.dropout=null").model.dropout == 0.0
+    assert tiny("model.dropout=null").digest() == tiny("model.dropout=0.0").digest()
+    assert "model.dropout='high': expected a number or null" in config_error("model.dropout=high")
+
+
+def test_max_query_len_0_leaves_questions_uncut_while_a_one_token_question_fits():
+    assert tiny("data.max_query_len=0").data.max_query_len == 0
+    # tiny: 64 tokens; [CLS] + one question token + two [SEP] leave 60 context tokens, doc_stride < 60
+    widest = tiny("data.max_query_len=0", "data.doc_stride=59").data
+    assert widest.question_tokens(special_tokens=3) == 1
+    assert tiny("data.max_query_len=0", "data.doc_stride=32").data.question_tokens(3) == 64 - 3 - 33
+    assert tiny("data.max_query_len=24").data.question_tokens(3) == 24
+    message = config_error("data.max_query_len=0", "data.doc_stride=60")
+    assert message.startswith("data.doc_stride=60: must be in [0, 60)") and "one token" in message
+    assert config_error("data.max_query_len=-1").startswith("data.max_query_len=-1: must be in [0, max_seq")
 
 
 def test_the_packaged_hf_config_loads_with_a_model_path():

@@ -63,3 +63,28 @@ def test_another_vocab_file_is_no_shape_change_its_content_is_compared_on_resume
     assert refusal(changes, "x") is None
     assert [(c.key, c.shape) for c in changes] == [("data.vocab_file", False)]
     assert "compared by content" in changes[0].effect
+
+
+def test_a_native_checkpoint_from_before_lr_schedule_and_null_dropout_resumes_without_a_change() -> None:
+    saved = tiny().to_dict()
+    del saved["train"]["lr_schedule"]  # written before the key existed, with dropout 0.0 as then
+    assert saved["model"]["dropout"] == 0.0
+    assert config_changes(saved, tiny()) == []
+    assert config_changes(saved, tiny("model.dropout=null")) == []
+
+
+def test_another_lr_schedule_than_a_checkpoints_cosine_is_a_change_even_from_before_the_key() -> None:
+    saved = tiny().to_dict()
+    del saved["train"]["lr_schedule"]
+    changes = config_changes(saved, tiny("train.lr_schedule=linear"))
+    assert [(c.key, c.old, c.new, c.shape) for c in changes] == [
+        ("train.lr_schedule", "cosine", "linear", False)
+    ]
+    assert "keeps its position" in changes[0].effect
+
+
+def test_null_dropout_on_an_hf_checkpoint_that_replaced_it_is_a_change() -> None:
+    hf = ("model.kind=hf", "model.name_or_path=/m")
+    saved = tiny(*hf, "model.dropout=0.0").to_dict()
+    changes = config_changes(saved, tiny(*hf))
+    assert [(c.key, c.old, c.new, c.shape) for c in changes] == [("model.dropout", 0.0, None, False)]

@@ -168,6 +168,20 @@ def test_a_raised_max_steps_continues_the_lr_from_the_checkpoint_and_decays_over
     assert lr_of(again) == pytest.approx(rates[-1])
 
 
+def test_another_lr_schedule_on_resume_goes_on_from_the_checkpoints_lr_in_the_new_shape() -> None:
+    settings = ("train.max_steps=60", "train.warmup_steps=5", "train.min_lr_ratio=0.1")
+    saved = trained_state(30, *settings)  # cosine, half-way down
+    at_save = lr_of(saved)
+    assert 0.1 * saved.cfg.train.peak_lr < at_save < saved.cfg.train.peak_lr
+    resume = (*settings, "train.lr_schedule=constant")
+    state = resumed(saved.state_dict({}, attempt=1), 30, *resume)
+
+    rates = [lr_of(trained_state(step, state=state)) for step in range(31, 46)]
+    assert rates == pytest.approx([at_save] * len(rates))  # constant from where cosine stood
+    again = resumed(state.state_dict({}, attempt=2), 45, *resume)  # the new shape travels on
+    assert lr_of(trained_state(60, state=again)) == pytest.approx(at_save)
+
+
 def test_an_unchanged_config_resumes_the_schedule_exactly() -> None:
     uninterrupted = trained_state(20)
     files = trained_state(10).state_dict({}, attempt=1)
