@@ -232,3 +232,43 @@ def test_config_show_prints_the_resolved_config_with_the_overrides(capsys) -> No
         and shown["model"] == load_config(packaged_config("tiny")).to_dict()["model"]
     )
     assert main(["config", "show", "train.max_stepz=7"]) == 2
+
+
+def test_config_show_prints_an_hf_config_without_a_model_and_notes_that_training_refuses_it(capsys) -> None:
+    assert main(["config", "show", "--config", "hf-tiny"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["model"] == {
+        **load_config(packaged_config("hf-tiny"), ["model.name_or_path=x"]).to_dict()["model"],
+        "name_or_path": "",
+    }
+    assert err.splitlines() == [
+        "elastic-qa: note: model.name_or_path='': needed by kind=hf (training refuses this config until it "
+        "is set)"
+    ]
+    assert main(["prepare", "--config", "hf-tiny"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["elastic-qa: model.name_or_path='': needed by kind=hf"]
+
+
+def recipe_block(out: str) -> list[str]:
+    lines = out.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("#")) :]
+
+
+def test_config_show_lists_every_hf_setting_that_differs_from_run_qa_after_the_config(capsys) -> None:
+    overrides = ["model.name_or_path=x", "train.lr=1e-4", "data.max_query_len=64", "model.dropout=0.1"]
+    assert main(["config", "show", "--config", "hf-base", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["train"]["lr"] == 1e-4  # the block is YAML comments: the config still reads
+    assert recipe_block(out) == [
+        "# differs from transformers' run_qa.py recipe (key: value here, recipe's value):",
+        "#   model.dropout: 0.1, recipe null",
+        "#   data.max_query_len: 64, recipe 0",
+        "#   train.lr: 0.0001, recipe 3.0e-05",
+        "#   train.freeze_loss_invariant: true, recipe false",
+    ]
+    assert main(["config", "show", "--config", "hf-base", "train.freeze_loss_invariant=false"]) == 0
+    assert recipe_block(capsys.readouterr().out) == [
+        "# every setting of transformers' run_qa.py recipe is as run_qa sets it"
+    ]
+    assert main(["config", "show", "--config", "tiny"]) == 0  # native: the recipe is for pretrained models
+    assert "#" not in capsys.readouterr().out

@@ -90,6 +90,21 @@ def test_the_question_is_cut_to_max_query_len():
     assert features.segment_ids[0, 7] == 1
 
 
+def test_max_query_len_0_keeps_the_question_whole_up_to_what_leaves_doc_stride_plus_one_context_tokens():
+    context = " ".join(f"c{i}" for i in range(100))
+    whole = example(context, None, question=" ".join(f"q{i}" for i in range(30)))
+    features = build_features([whole], WORD, 64, 0, 10)
+    q_ids = WORD.encode(whole.question)[0]
+    assert features.input_ids[0, : len(q_ids) + 2].tolist() == [CLS, *q_ids, SEP]
+    # 64 tokens, [CLS] [SEP] [SEP], 10 shared: a question keeps at most 64 - 3 - 11 = 50 tokens
+    longest = example(context, None, question=" ".join(f"q{i}" for i in range(80)))
+    features = build_features([longest], WORD, 64, 0, 10)
+    assert features.input_ids[0, :52].tolist() == [CLS, *WORD.encode(longest.question)[0][:50], SEP]
+    # Windows of 64 - 52 - 1 = 11 context tokens sharing 10: each starts one token after the one before.
+    assert len(features) > 1 and features.lengths[0] == 64
+    assert features.offsets[1, 52].tolist() == features.offsets[0, 53].tolist()
+
+
 @pytest.mark.parametrize(
     ("context", "answer"),
     [

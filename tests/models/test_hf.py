@@ -166,6 +166,41 @@ def test_questions_longer_than_max_query_len_keep_at_most_that_many_tokens(hf_mo
 
 
 @pytest.mark.parametrize("style", ["bert", "roberta"])
+def test_max_query_len_0_keeps_questions_whole_while_doc_stride_plus_one_context_tokens_fit(hf_models, style):
+    cfg = config(hf_models[style], "data.max_query_len=0")
+    tok = hf.load_tokenizer(str(hf_models[style]))
+    specials = tok.num_special_tokens_to_add(pair=True)
+    limit = MAX_LEN - specials - STRIDE - 1
+    context = " ".join(["Alice built the tower."] * 20)
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    longer_than_query = next(q for n in range(40) if count(q := " ".join(["who"] * n) + " built it?") > QUERY)
+    for question in (longer_than_query, " ".join(["who"] * 80) + " built it?"):
+        tokens = count(question)
+        assert tokens <= limit if question is longer_than_query else tokens > limit
+        features = hf.features([QAExample("q", question, context, ())], cfg)
+        first_context = int(np.argmax(features.segment_ids[0]))
+        assert first_context == 1 + min(tokens, limit) + (specials - 2)  # [CLS] question [SEP] ([SEP])
+        assert (features.segment_ids[:, :-1].sum(1) >= STRIDE + 1).all()  # every window: stride + 1 context
+
+
+@pytest.mark.parametrize("style", ["bert", "roberta"])
+def test_with_max_query_len_0_config_and_tokenizer_check_refuse_the_same_doc_stride(hf_models, style):
+    """The widest doc_stride leaves room for a one-token question; the next is refused in the same words, by
+    config.py for [CLS] and two [SEP]s (BERT), by the tokenizer check for RoBERTa's extra separator."""
+    tok = hf.load_tokenizer(str(hf_models[style]))
+    widest = MAX_LEN - 1 - tok.num_special_tokens_to_add(pair=True) - 1
+    assert hf.checked_tokenizer(config(hf_models[style], "data.max_query_len=0", f"data.doc_stride={widest}"))
+    refused = rf"^data\.doc_stride={widest + 1}: must be in \[0, {widest + 1}\) \(context tokens per window"
+    with pytest.raises(ConfigError, match=refused):
+        hf.checked_tokenizer(
+            config(hf_models[style], "data.max_query_len=0", f"data.doc_stride={widest + 1}")
+        )
+
+
+@pytest.mark.parametrize("style", ["bert", "roberta"])
 def test_model_returns_float32_logits_with_only_cls_and_context_open(hf_models, style):
     cfg = config(hf_models[style])
     family = family_for(cfg.model)
@@ -185,6 +220,15 @@ def test_model_dropout_replaces_every_dropout_of_the_pretrained_config(hf_models
         model = hf.build_model(cfg, 10)
         probabilities = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
         assert probabilities == {dropout}
+
+
+@pytest.mark.parametrize("style", ["bert", "roberta"])
+def test_null_model_dropout_keeps_the_pretrained_configs_own(hf_models, style):
+    described = json.loads((hf_models[style] / "config.json").read_text())
+    own = {described["hidden_dropout_prob"], described["attention_probs_dropout_prob"]}
+    assert own != {0.0}  # the tiny models carry BERT's default dropout, so that keeping it shows
+    model = hf.build_model(config(hf_models[style], "model.dropout=null"), 10)
+    assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == own
 
 
 def test_cache_identity_follows_the_tokenizer_not_its_path(hf_models, tmp_path):
