@@ -130,7 +130,8 @@ class Trainer:
         names = [name for name, param in model.named_parameters() if param.requires_grad]
         flags = torch.zeros(len(names), dtype=torch.uint8)
         if self.ctx.rank == 0:
-            probe = collate(self.data.train, np.arange(min(PROBE_WINDOWS, len(self.data.train))))
+            rows = np.arange(min(PROBE_WINDOWS, len(self.data.train)))
+            probe = collate(self.data.train, rows, full_width=self.family.full_width)
             found = set(loss_invariant_parameters(model, probe, self.family.span_loss_per_window))
             flags = torch.tensor([name in found for name in names], dtype=torch.uint8)
         if self.ctx.distributed:
@@ -181,6 +182,7 @@ class Trainer:
             self.ctx.world_size,
             cfg.data.num_workers,
             pin_memory=self.device.type == "cuda",
+            full_width=self.family.full_width,
         )
         self.log.info(
             "train_start",

@@ -166,17 +166,33 @@ def test_questions_longer_than_max_query_len_keep_at_most_that_many_tokens(hf_mo
 
 
 @pytest.mark.parametrize("style", ["bert", "roberta"])
-def test_model_returns_float32_logits_with_only_cls_and_context_open(hf_models, style):
+def test_model_returns_the_pretrained_models_own_float32_logits_at_every_position(hf_models, style):
+    """No position is masked: the loss trains all of them, as transformers' recipe does."""
     cfg = config(hf_models[style])
     family = family_for(cfg.model)
     features = family.features(examples(), cfg)
-    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size)
+    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size).eval()
     assert model.token_types == (style == "bert")  # RoBERTa has one token type: it is given none
-    batch = collate(features, np.arange(6))
+    batch = collate(features, np.arange(6), full_width=family.full_width)
+    assert batch["input_ids"].shape[1] == MAX_LEN and (batch["attention_mask"] == 0).any()  # padding kept
     start, end = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")})
     assert start.dtype == end.dtype == torch.float32
-    closed = (batch["token_type_ids"] == 0) & (torch.arange(start.shape[1]) > 0)
-    assert (start[closed] == -1e4).all() and (end[~closed] > -1e4).all()
+    tok = hf.load_tokenizer(str(hf_models[style]))
+    own = tok(
+        [e.question for e in examples()],
+        [e.context for e in examples()],
+        truncation="only_second",
+        max_length=MAX_LEN,
+        stride=STRIDE,
+        return_overflowing_tokens=True,
+        padding="max_length",
+        return_tensors="pt",
+    )
+    own = {k: v[:6] for k, v in own.items() if k in tok.model_input_names}  # the tokenizer's own inputs
+    assert torch.equal(own["input_ids"], batch["input_ids"])
+    with torch.no_grad():
+        inner = model.model(**own)
+    assert torch.equal(start, inner.start_logits) and torch.equal(end, inner.end_logits)
 
 
 def test_model_dropout_replaces_every_dropout_of_the_pretrained_config(hf_models):
