@@ -29,7 +29,14 @@ from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import build_train_loader, collate
 from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
-from elastic_qa.elastic.control import ControlPlane, Decision, PeerFailure, Phase, gloo_all_reduce
+from elastic_qa.elastic.control import (
+    ControlPlane,
+    Decision,
+    PeerFailure,
+    Phase,
+    failure_reason,
+    gloo_all_reduce,
+)
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.evaluate import evaluate
@@ -222,8 +229,8 @@ class Trainer:
                 raise
             self.control.enter(Phase.EMERGENCY)
             with self.stop_request.saving():  # a SIGTERM or the agent watchdog waits for it
-                self.session.save_emergency(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
-            raise PeerFailure(str(err)) from err
+                self.session.save_emergency(failure_reason(err))
+            raise PeerFailure(failure_reason(err)) from err
         finally:
             self.stop_request.uninstall()
 
