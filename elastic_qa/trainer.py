@@ -162,7 +162,13 @@ class Trainer:
         """Say where training starts: `resume` (with the checkpoint) or `start_fresh`."""
         loaded, state = self.session.restored, self.state
         if loaded is None:
-            self.log.info("start_fresh", checkpoint_dir=self.session.store.url)
+            # e.g. a base model's QA head, said once here (a resume loads it from the checkpoint)
+            new = list(getattr(unwrap(self.model), "newly_initialized", ()))
+            self.log.info(
+                "start_fresh",
+                checkpoint_dir=self.session.store.url,
+                **({"newly_initialized": new} if new else {}),
+            )
             return
         self.log.info(
             "resume",

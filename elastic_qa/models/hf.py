@@ -230,9 +230,12 @@ class PretrainedSpanQA(nn.Module):
     reads context tokens and [CLS] only (evaluate.best_spans).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, newly_initialized: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        # Weights the pretrained directory lacked (a base model's QA head), initialised from torch's RNG:
+        # a fresh start says so once (Trainer.log_start), where a resume loads them from its checkpoint.
+        self.newly_initialized = newly_initialized
         config = model.config
         # RoBERTa and DistilBERT have no token types (one type, or no such argument): they get none.
         self.token_types = (
@@ -269,8 +272,9 @@ def build_model(cfg: Config, vocab_size: int) -> PretrainedSpanQA:
         )
         _with_dropout(config, cfg.model.dropout)
         # Mismatched shapes are reported in `loading` (and refused below) rather than raised as an
-        # exception whose message points at a report printed elsewhere; that report, and torch's warning
-        # about a pickle's protocol, are not printed: the refusal below says what matters in one line.
+        # exception whose message points at a report printed elsewhere; that report (transformers' LOAD
+        # REPORT, e.g. a base model's missing QA head), and torch's warning about a pickle's protocol, are
+        # not printed: the refusal below says what matters in one line, a fresh start names a new head.
         with _quiet_loading():
             model, loading = AutoModelForQuestionAnswering.from_pretrained(
                 source.path,
@@ -291,7 +295,7 @@ def build_model(cfg: Config, vocab_size: int) -> PretrainedSpanQA:
         raise ConfigError(f"{where}: the tokenizer has {vocab_size} ids, the model {config.vocab_size}")
     if cfg.model.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return PretrainedSpanQA(model)
+    return PretrainedSpanQA(model, tuple(sorted(loading.get("missing_keys") or ())))
 
 
 @contextlib.contextmanager
@@ -340,6 +344,7 @@ def export(model: nn.Module, cfg: Config, out: Path) -> None:
 
 def load_export(cfg: Config, directory: Path) -> tuple[nn.Module, Config]:
     """The exported model under this package's contract; the tokenizer is read from the same directory."""
-    model, _ = load_pretrained_qa(directory)
+    with _quiet_loading():  # an export holds every weight; whatever transformers would say is noise
+        model, _ = load_pretrained_qa(directory)
     exported = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=str(directory)))
     return PretrainedSpanQA(model.float()), exported

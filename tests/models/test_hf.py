@@ -301,3 +301,31 @@ def test_a_tokenizer_with_no_fast_version_is_refused_naming_its_class(hf_models,
         ConfigError, match=r"ByT5Tokenizer is a slow \(Python\) tokenizer with no fast version"
     ):
         hf.load_tokenizer(str(python_only))
+
+
+def headless(model: Path, out: Path) -> Path:
+    """A copy of `model` without its QA head's weights: what a base (pretrained encoder) directory holds."""
+    from safetensors.torch import load_file, save_file
+
+    base = shutil.copytree(model, out)
+    weights = load_file(base / "model.safetensors")
+    kept = {name: t for name, t in weights.items() if not name.startswith("qa_outputs.")}
+    save_file(kept, base / "model.safetensors", metadata={"format": "pt"})
+    return base
+
+
+def test_a_base_model_loads_without_transformers_report_and_names_the_head_it_initialises(
+    hf_models, tmp_path, capfd, caplog
+):
+    base = headless(hf_models["bert"], tmp_path / "base")
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForQuestionAnswering.from_pretrained(base)
+    assert "LOAD REPORT" in caplog.text  # what transformers says on its own, seen here
+    caplog.clear()
+    capfd.readouterr()
+    model = hf.build_model(config(base), 10)
+    assert model.newly_initialized == ("qa_outputs.bias", "qa_outputs.weight")
+    hf.export(model, config(base), tmp_path / "export")
+    exported, _ = hf.load_export(config(base), tmp_path / "export")
+    assert exported.newly_initialized == ()
+    assert capfd.readouterr() == ("", "") and caplog.records == []

@@ -17,6 +17,8 @@ import torch
 from elastic_qa.cli import main
 from elastic_qa.data import synthetic
 from elastic_qa.data.squad import QAExample
+from elastic_qa.observe.follow import read_events
+from tests.models.test_hf import headless
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,17 +86,22 @@ def standard_answer(
 
 @pytest.fixture(scope="module")
 def exported(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    """A tiny BERT trained briefly on synthetic questions, exported."""
+    """A tiny BERT encoder (no QA head) trained briefly on synthetic questions, exported."""
     root = tmp_path_factory.mktemp("standard-decoding")
+    base = headless(hf_models["bert"], root / "base")
     command = [
         sys.executable, "-m", "elastic_qa.train", "--config", "hf-tiny",
-        f"model.name_or_path={hf_models['bert']}", f"run.dir={root / 'run'}", f"data.cache_dir={cache_dir}",
+        f"model.name_or_path={base}", f"run.dir={root / 'run'}", f"data.cache_dir={cache_dir}",
         f"data.max_seq_len={MAX_LEN}", f"data.max_query_len={QUERY}", f"data.doc_stride={STRIDE}",
         f"data.max_answer_len={MAX_ANSWER}", "train.max_steps=60", "log.console=none",
         "data.synthetic.train_examples=480", "data.synthetic.eval_examples=16",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The new head is said once, in the run's own words; transformers' table is not printed.
+    assert "LOAD REPORT" not in result.stderr and "MISSING" not in result.stderr
+    fresh = [e for e in read_events(root / "run") if e["event"] == "start_fresh"]
+    assert [e["newly_initialized"] for e in fresh] == [["qa_outputs.bias", "qa_outputs.weight"]]
     assert main(["export", str(root / "run"), "--out", str(root / "export")]) == 0
     return root / "export"
 
