@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,12 @@ def has_running_statistics(model: nn.Module) -> bool:
     return any(getattr(module, "running_mean", None) is not None for module in model.modules())
 
 
-def buffer_sync(at_every_forward: bool) -> dict[str, bool]:
+class BufferSync(TypedDict, total=False):
+    forward_sync_buffers: bool
+    broadcast_buffers: bool
+
+
+def buffer_sync(at_every_forward: bool) -> BufferSync:
     """DDP's argument for syncing buffers at every forward, under the name this torch reads without a
     FutureWarning: `forward_sync_buffers` from torch 2.13, where `broadcast_buffers` is deprecated.
 
