@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import socket
 import sys
@@ -11,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -200,7 +201,7 @@ def wrap_model(
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=True,
-        broadcast_buffers=has_running_statistics(model),
+        **buffer_sync(has_running_statistics(model)),
     )
     ddp.register_comm_hook((timer or CommTimer(), _HOOKS[cfg.comm_hook]), _timed_hook)
     return ddp
@@ -211,6 +212,24 @@ def has_running_statistics(model: nn.Module) -> bool:
     update in forward. Without them DDP's buffer broadcast at every forward (by default) is a collective
     that sends constants (a transformers encoder's position and token type ids) and waits for every rank."""
     return any(getattr(module, "running_mean", None) is not None for module in model.modules())
+
+
+class BufferSync(TypedDict, total=False):
+    forward_sync_buffers: bool
+    broadcast_buffers: bool
+
+
+def buffer_sync(at_every_forward: bool) -> BufferSync:
+    """DDP's argument for syncing buffers at every forward, under the name this torch reads without a
+    FutureWarning: `forward_sync_buffers` from torch 2.13, where `broadcast_buffers` is deprecated.
+
+    One difference: `forward_sync_buffers=False` still broadcasts buffers once at construction, where
+    `broadcast_buffers=False` did not. Ranks build their models alike (same seed, same weights), so that
+    broadcast sends values every rank already holds.
+    """
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": at_every_forward}
+    return {"broadcast_buffers": at_every_forward}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

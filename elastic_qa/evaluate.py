@@ -89,8 +89,8 @@ def predict_windows(
     try:
         for first in range(rows.start, rows.stop, batch_size):
             index = np.arange(first, min(first + batch_size, rows.stop))
-            batch = collate(features, index)
-            width = batch["input_ids"].shape[1]  # collate trims the batch to its longest window
+            batch = collate(features, index, full_width=family.full_width)
+            width = batch["input_ids"].shape[1]  # collate may trim the batch to its longest window
             assert features.offsets is not None  # evaluation windows keep their offsets (data.cache)
             offsets = np.asarray(features.offsets[index, :width])
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic-qa: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except PeerFailure as err:
-        log.error("peer_failure", error=str(err).splitlines()[0][:300])
+        log.error("peer_failure", error=str(err))  # failure_reason's line
         return 1
     except (CheckpointError, FinalStateError) as err:
         log.error("checkpoint_fatal", error=str(err))

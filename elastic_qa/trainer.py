@@ -29,7 +29,14 @@ from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import build_train_loader, collate
 from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
-from elastic_qa.elastic.control import ControlPlane, Decision, PeerFailure, Phase, gloo_all_reduce
+from elastic_qa.elastic.control import (
+    ControlPlane,
+    Decision,
+    PeerFailure,
+    Phase,
+    failure_reason,
+    gloo_all_reduce,
+)
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.evaluate import evaluate
@@ -130,7 +137,8 @@ class Trainer:
         names = [name for name, param in model.named_parameters() if param.requires_grad]
         flags = torch.zeros(len(names), dtype=torch.uint8)
         if self.ctx.rank == 0:
-            probe = collate(self.data.train, np.arange(min(PROBE_WINDOWS, len(self.data.train))))
+            rows = np.arange(min(PROBE_WINDOWS, len(self.data.train)))
+            probe = collate(self.data.train, rows, full_width=self.family.full_width)
             found = set(loss_invariant_parameters(model, probe, self.family.span_loss_per_window))
             flags = torch.tensor([name in found for name in names], dtype=torch.uint8)
         if self.ctx.distributed:
@@ -154,7 +162,13 @@ class Trainer:
         """Say where training starts: `resume` (with the checkpoint) or `start_fresh`."""
         loaded, state = self.session.restored, self.state
         if loaded is None:
-            self.log.info("start_fresh", checkpoint_dir=self.session.store.url)
+            # e.g. a base model's QA head, said once here (a resume loads it from the checkpoint)
+            new = list(getattr(unwrap(self.model), "newly_initialized", ()))
+            self.log.info(
+                "start_fresh",
+                checkpoint_dir=self.session.store.url,
+                **({"newly_initialized": new} if new else {}),
+            )
             return
         self.log.info(
             "resume",
@@ -181,6 +195,7 @@ class Trainer:
             self.ctx.world_size,
             cfg.data.num_workers,
             pin_memory=self.device.type == "cuda",
+            full_width=self.family.full_width,
         )
         self.log.info(
             "train_start",
@@ -220,8 +235,8 @@ class Trainer:
                 raise
             self.control.enter(Phase.EMERGENCY)
             with self.stop_request.saving():  # a SIGTERM or the agent watchdog waits for it
-                self.session.save_emergency(f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
-            raise PeerFailure(str(err)) from err
+                self.session.save_emergency(failure_reason(err))
+            raise PeerFailure(failure_reason(err)) from err
         finally:
             self.stop_request.uninstall()
 

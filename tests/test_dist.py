@@ -81,3 +81,30 @@ def test_only_a_model_with_running_statistics_has_its_buffers_broadcast(hf_model
     assert any(True for _ in bert.buffers())  # constant position and token type ids
     assert not has_running_statistics(native) and not has_running_statistics(bert)
     assert has_running_statistics(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+
+
+WRAP = textwrap.dedent(
+    """
+    import sys, warnings
+    import torch, torch.distributed as dist
+    from elastic_qa.config import DistConfig
+    from elastic_qa.dist import DistContext, wrap_model
+
+    warnings.simplefilter("always")  # every warning printed, however often it was seen
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo", 1)
+    plain = wrap_model(torch.nn.Linear(4, 4), ctx, DistConfig())
+    norm = wrap_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), ctx, DistConfig())
+    print(plain.broadcast_buffers, norm.broadcast_buffers)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_wrapping_a_model_in_ddp_prints_no_warning_and_syncs_only_running_statistics(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", WRAP, str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "True"]
+    assert "Warning" not in result.stderr, result.stderr

@@ -35,7 +35,7 @@ from elastic_qa.config import resolve_config
 from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
-from elastic_qa.dist import exit_process, has_running_statistics
+from elastic_qa.dist import buffer_sync, exit_process, has_running_statistics
 from elastic_qa.models import family_for, model_inputs
 from elastic_qa.optim import build_optimizer
 
@@ -56,11 +56,12 @@ class Indices(Dataset):
 class Collate:
     """A picklable collate (loader workers) over the product's own `collate`."""
 
-    def __init__(self, features: Features) -> None:
+    def __init__(self, features: Features, full_width: bool) -> None:
         self.features = features
+        self.full_width = full_width
 
     def __call__(self, indices: list[int]) -> dict[str, Any]:
-        return collate(self.features, np.asarray(indices))
+        return collate(self.features, np.asarray(indices), full_width=self.full_width)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
 
-    data = prepare(cfg, family_for(cfg.model))
+    family = family_for(cfg.model)
+    data = prepare(cfg, family)
     per_rank = cfg.train.global_batch_size // world
     sampler: DistributedSampler[int] = DistributedSampler(
         Indices(len(data.train)), world, rank, shuffle=True, seed=cfg.run.seed
@@ -94,11 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=per_rank,
         sampler=sampler,
         num_workers=cfg.data.num_workers,
-        collate_fn=Collate(data.train),
+        collate_fn=Collate(data.train, family.full_width),
         drop_last=True,
         pin_memory=cuda,
     )
-    family = family_for(cfg.model)
     torch.manual_seed(cfg.run.seed)
     module = family.build_model(cfg, data.vocab_size).to(device)
     model = DistributedDataParallel(
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         device_ids=[local_rank] if cuda else None,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
         gradient_as_bucket_view=args.tuned,
-        broadcast_buffers=not args.tuned or has_running_statistics(module),
+        **buffer_sync(not args.tuned or has_running_statistics(module)),
     )
     model.train()  # as the product does: transformers' from_pretrained returns a model in eval mode
     if args.tuned:

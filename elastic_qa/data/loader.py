@@ -74,26 +74,31 @@ class RankBatchSampler:
 
 
 class FeatureBatches(torch.utils.data.Dataset):
-    """Key -> batch dict; pads are trimmed to the longest sequence in the batch."""
+    """Key -> batch dict; pads are trimmed to the longest sequence in the batch unless `full_width`."""
 
-    def __init__(self, features: Features) -> None:
+    def __init__(self, features: Features, full_width: bool = False) -> None:
         self.features = features
+        self.full_width = full_width
 
     def __len__(self) -> int:
         return len(self.features)
 
     def __getitem__(self, key: RankBatchKey) -> dict[str, Any]:
-        return collate(self.features, np.asarray(key.indices), key)
+        return collate(self.features, np.asarray(key.indices), key, full_width=self.full_width)
 
 
-def collate(features: Features, rows: np.ndarray, key: RankBatchKey | None = None) -> dict[str, Any]:
+def collate(
+    features: Features, rows: np.ndarray, key: RankBatchKey | None = None, full_width: bool = False
+) -> dict[str, Any]:
     """Windows `rows` as a batch under the transformers names (the model's inputs, see models.MODEL_INPUTS):
     `attention_mask` is 1 for real tokens and 0 for padding, `token_type_ids` the cached `segment_ids`.
+    The batch is trimmed to its longest window, or keeps every cached position with `full_width` (a family
+    whose loss reads padding: see models.ModelFamily.full_width).
     With a key, also the trainer's bookkeeping: step, epoch, global_count, global_tokens, indices, weights.
     """
     ids = features.input_ids[rows]
     lengths = np.asarray(features.lengths[rows])
-    width = int(lengths.max())
+    width = ids.shape[1] if full_width else int(lengths.max())
     real = np.arange(width)[None, :] < lengths[:, None]  # padding follows the real tokens
     batch: dict[str, Any] = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :width])).long(),
@@ -129,11 +134,12 @@ def build_train_loader(
     world_size: int,
     num_workers: int,
     pin_memory: bool = False,
+    full_width: bool = False,
 ) -> StatefulDataLoader:
     lengths = np.asarray(features.lengths)  # the cached column: no pass over the tokens at start-up
     sampler = RankBatchSampler(cursor, first_step, last_step, rank, world_size, lengths)
     return StatefulDataLoader(
-        FeatureBatches(features),
+        FeatureBatches(features, full_width),
         batch_size=None,  # the sampler's keys are whole batches
         sampler=sampler,
         num_workers=num_workers,

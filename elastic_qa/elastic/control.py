@@ -30,6 +30,7 @@ At start-up: the broadcast of the checkpoint rank 0 chose, then the broadcast of
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,21 @@ _ALLOWED = {
 
 class PeerFailure(RuntimeError):
     """A collective failed: a peer died, froze past dist.timeout, or its agent restarted the group."""
+
+
+# What torch's futures put before an error raised in a `.then` callback: a DDP comm hook's bucket passes
+# through two (the hook's own and the timing one of dist.wrap_model), so the cause came nested twice.
+_CALLBACK = re.compile(r"Got the following error when running the callback: (?:(\w+): )?")
+_REASON_CHARS = 300
+
+
+def failure_reason(err: BaseException) -> str:
+    """`Type: message` of the innermost error, once, on one line: what a failed collective's log says."""
+    kind, message = type(err).__name__, str(err)
+    while match := _CALLBACK.match(message):
+        kind, message = match.group(1) or kind, message[match.end() :]
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return f"{kind}: {first[:_REASON_CHARS]}" if first else kind
 
 
 @dataclass

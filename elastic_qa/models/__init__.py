@@ -4,7 +4,8 @@ The trainer, evaluation, `elastic-qa eval|ask` and the benchmarks ask `family_fo
 name a model class: `native` (models/native.py) and `hf`, a pretrained transformers model with its own
 tokenizer (models/hf.py, which imports transformers, so it is loaded on first use). Every family's model
 takes the transformers argument names and returns float32 start and end logits [batch, length], position 0
-standing for "no answer in this window":
+standing for "no answer in this window". Decoding (evaluate.best_spans) reads only context tokens and
+position 0, whatever a model scores elsewhere:
 
     start_logits, end_logits = model(**model_inputs(batch, device))
 """
@@ -59,6 +60,10 @@ class ModelFamily:
     load_export: Callable[[Config, Path], tuple[nn.Module, Config]]
     """(cfg, exported directory) -> the model `export` wrote (on the CPU) and the config to predict with
     (a family may point it at files in the directory, e.g. its tokenizer's)."""
+    full_width: bool = False
+    """True: a batch keeps every window at `data.max_seq_len` positions, since the loss reads padding too
+    (and a window's loss must not depend on the longest window batched with it); False: a batch is
+    trimmed to its longest window (data.loader.collate)."""
     store_vocabulary: Callable[[Config, Callable[[], Iterable[str]], Path], Config] | None = None
     """(cfg, the training texts, a feature cache being built) -> the config to build its windows with,
     after writing there the vocabulary they need (trained on the texts, or read from the config); None:
@@ -107,6 +112,7 @@ def _pretrained_family() -> ModelFamily:
         span_loss_per_window=span_loss_per_window,
         export=hf.export,
         load_export=hf.load_export,
+        full_width=True,
     )
 
 

@@ -38,8 +38,6 @@ from elastic_qa.models.hf_source import mismatch, one_line, refused_pickle, reso
 
 # Bump when the windows this module builds change for the same tokenizer and settings.
 RECIPE_VERSION = 1
-# Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
-_MASKED = -1e4
 # transformers' "no limit known" model_max_length is a huge sentinel; a real limit is below this.
 _NO_LIMIT = 10**8
 
@@ -223,12 +221,24 @@ def _no_windows(length: int) -> Features:
 
 class PretrainedSpanQA(nn.Module):
     """A transformers QA model under this package's model contract: transformers argument names in,
-    start and end logits out (float32, or float64 for a float64 model), positions that cannot answer
-    masked. `token_type_ids` in is the feature cache's segment ids, 1 on context tokens."""
+    start and end logits out (float32, or float64 for a float64 model). `token_type_ids` in is the
+    feature cache's segment ids, 1 on context tokens.
 
-    def __init__(self, model: nn.Module) -> None:
+    Every position keeps the inner model's own logit, as in transformers' recipe (BertForQuestionAnswering's
+    loss is a cross-entropy over every position of the window, padding included): the span loss then
+    trains question, separator and padding positions down too, so that an export decodes as a
+    recipe-trained model does under the standard n-best post-processing, which takes the top start and end
+    logits over all positions before it keeps those inside the context. A mask here would leave those
+    positions untrained, and they would crowd context tokens out of that top n. This package's own decoding
+    reads context tokens and [CLS] only (evaluate.best_spans).
+    """
+
+    def __init__(self, model: nn.Module, newly_initialized: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        # Weights the pretrained directory lacked (a base model's QA head), initialised from torch's RNG:
+        # a fresh start says so once (Trainer.log_start), where a resume loads them from its checkpoint.
+        self.newly_initialized = newly_initialized
         config = model.config
         # RoBERTa and DistilBERT have no token types (one type, or no such argument): they get none.
         self.token_types = (
@@ -244,12 +254,8 @@ class PretrainedSpanQA(nn.Module):
             # BERT's pair types: 0 up to the question's [SEP], 1 from the first context token to the end.
             inputs["token_type_ids"] = token_type_ids.cummax(dim=1).values * attention_mask
         output = self.model(**inputs, return_dict=True)
-        logits = torch.stack((output.start_logits, output.end_logits), dim=-1)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        answerable = (token_type_ids == 1) | (positions == 0)
-        logits = logits.masked_fill(~answerable.unsqueeze(-1), _MASKED)
-        return logits[..., 0], logits[..., 1]
+        dtype = torch.promote_types(output.start_logits.dtype, torch.float32)
+        return output.start_logits.to(dtype), output.end_logits.to(dtype)
 
 
 def _with_dropout(config: Any, dropout: float | None) -> None:
@@ -272,8 +278,9 @@ def build_model(cfg: Config, vocab_size: int) -> PretrainedSpanQA:
         )
         _with_dropout(config, cfg.model.dropout)
         # Mismatched shapes are reported in `loading` (and refused below) rather than raised as an
-        # exception whose message points at a report printed elsewhere; that report, and torch's warning
-        # about a pickle's protocol, are not printed: the refusal below says what matters in one line.
+        # exception whose message points at a report printed elsewhere; that report (transformers' LOAD
+        # REPORT, e.g. a base model's missing QA head), and torch's warning about a pickle's protocol, are
+        # not printed: the refusal below says what matters in one line, a fresh start names a new head.
         with _quiet_loading():
             model, loading = AutoModelForQuestionAnswering.from_pretrained(
                 source.path,
@@ -294,7 +301,7 @@ def build_model(cfg: Config, vocab_size: int) -> PretrainedSpanQA:
         raise ConfigError(f"{where}: the tokenizer has {vocab_size} ids, the model {config.vocab_size}")
     if cfg.model.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return PretrainedSpanQA(model)
+    return PretrainedSpanQA(model, tuple(sorted(loading.get("missing_keys") or ())))
 
 
 @contextlib.contextmanager
@@ -343,6 +350,7 @@ def export(model: nn.Module, cfg: Config, out: Path) -> None:
 
 def load_export(cfg: Config, directory: Path) -> tuple[nn.Module, Config]:
     """The exported model under this package's contract; the tokenizer is read from the same directory."""
-    model, _ = load_pretrained_qa(directory)
+    with _quiet_loading():  # an export holds every weight; whatever transformers would say is noise
+        model, _ = load_pretrained_qa(directory)
     exported = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=str(directory)))
     return PretrainedSpanQA(model.float()), exported

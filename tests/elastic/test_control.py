@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from elastic_qa.elastic.control import ControlPlane, Phase
+from elastic_qa.elastic.control import ControlPlane, Phase, failure_reason
 
 
 class FakeGroup:
@@ -97,3 +97,17 @@ def test_phases_move_only_along_the_documented_transitions() -> None:
     stopping.enter(Phase.STOPPING)
     with pytest.raises(RuntimeError):
         stopping.enter(Phase.DONE)
+
+
+def test_a_collective_failure_nested_in_two_future_callbacks_reads_as_its_cause_once() -> None:
+    """A DDP bucket's failure passes through two `.then` callbacks (the comm hook's and the timing one)."""
+    cause = "[pair.cc:537] Read error [127.0.0.1]:5849: Connection reset by peer."
+    failed: torch.futures.Future = torch.futures.Future()
+    bucket = failed.then(lambda f: f.value()).then(lambda f: f.value())
+    failed.set_exception(RuntimeError(f"{cause}\nits second line"))
+    with pytest.raises(RuntimeError) as raised:
+        bucket.wait()
+    assert str(raised.value).count(cause) == 1 and "running the callback" in str(raised.value)
+    assert failure_reason(raised.value) == f"RuntimeError: {cause}"
+    assert failure_reason(TimeoutError()) == "TimeoutError"
+    assert failure_reason(ValueError("x" * 1000)) == f"ValueError: {'x' * 300}"

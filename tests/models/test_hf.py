@@ -201,17 +201,33 @@ def test_with_max_query_len_0_config_and_tokenizer_check_refuse_the_same_doc_str
 
 
 @pytest.mark.parametrize("style", ["bert", "roberta"])
-def test_model_returns_float32_logits_with_only_cls_and_context_open(hf_models, style):
+def test_model_returns_the_pretrained_models_own_float32_logits_at_every_position(hf_models, style):
+    """No position is masked: the loss trains all of them, as transformers' recipe does."""
     cfg = config(hf_models[style])
     family = family_for(cfg.model)
     features = family.features(examples(), cfg)
-    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size)
+    model = family.build_model(cfg, family.tokenizer(cfg).vocab_size).eval()
     assert model.token_types == (style == "bert")  # RoBERTa has one token type: it is given none
-    batch = collate(features, np.arange(6))
+    batch = collate(features, np.arange(6), full_width=family.full_width)
+    assert batch["input_ids"].shape[1] == MAX_LEN and (batch["attention_mask"] == 0).any()  # padding kept
     start, end = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")})
     assert start.dtype == end.dtype == torch.float32
-    closed = (batch["token_type_ids"] == 0) & (torch.arange(start.shape[1]) > 0)
-    assert (start[closed] == -1e4).all() and (end[~closed] > -1e4).all()
+    tok = hf.load_tokenizer(str(hf_models[style]))
+    own = tok(
+        [e.question for e in examples()],
+        [e.context for e in examples()],
+        truncation="only_second",
+        max_length=MAX_LEN,
+        stride=STRIDE,
+        return_overflowing_tokens=True,
+        padding="max_length",
+        return_tensors="pt",
+    )
+    own = {k: v[:6] for k, v in own.items() if k in tok.model_input_names}  # the tokenizer's own inputs
+    assert torch.equal(own["input_ids"], batch["input_ids"])
+    with torch.no_grad():
+        inner = model.model(**own)
+    assert torch.equal(start, inner.start_logits) and torch.equal(end, inner.end_logits)
 
 
 def test_model_dropout_replaces_every_dropout_of_the_pretrained_config(hf_models):
@@ -329,3 +345,31 @@ def test_a_tokenizer_with_no_fast_version_is_refused_naming_its_class(hf_models,
         ConfigError, match=r"ByT5Tokenizer is a slow \(Python\) tokenizer with no fast version"
     ):
         hf.load_tokenizer(str(python_only))
+
+
+def headless(model: Path, out: Path) -> Path:
+    """A copy of `model` without its QA head's weights: what a base (pretrained encoder) directory holds."""
+    from safetensors.torch import load_file, save_file
+
+    base = shutil.copytree(model, out)
+    weights = load_file(base / "model.safetensors")
+    kept = {name: t for name, t in weights.items() if not name.startswith("qa_outputs.")}
+    save_file(kept, base / "model.safetensors", metadata={"format": "pt"})
+    return base
+
+
+def test_a_base_model_loads_without_transformers_report_and_names_the_head_it_initialises(
+    hf_models, tmp_path, capfd, caplog
+):
+    base = headless(hf_models["bert"], tmp_path / "base")
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForQuestionAnswering.from_pretrained(base)
+    assert "LOAD REPORT" in caplog.text  # what transformers says on its own, seen here
+    caplog.clear()
+    capfd.readouterr()
+    model = hf.build_model(config(base), 10)
+    assert model.newly_initialized == ("qa_outputs.bias", "qa_outputs.weight")
+    hf.export(model, config(base), tmp_path / "export")
+    exported, _ = hf.load_export(config(base), tmp_path / "export")
+    assert exported.newly_initialized == ()
+    assert capfd.readouterr() == ("", "") and caplog.records == []
