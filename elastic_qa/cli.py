@@ -1,7 +1,8 @@
 """`elastic-qa`: the commands around training.
 
     elastic-qa prepare [--config CFG] [--workers N] [overrides]   tokenise once into the memory-mapped cache
-    elastic-qa config show [--config CFG] [overrides]   print the resolved config (YAML)
+    elastic-qa config show [--config CFG] [overrides]   print the resolved config (YAML; for kind=hf, then
+                                                        what differs from transformers' run_qa recipe)
     elastic-qa eval --checkpoint PATH [--data FILE] [--out DIR] [--null-threshold X] [--json]
                                                         SQuAD v2 scores; predictions.json, null_odds.json
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
@@ -192,7 +193,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(resolve_config(args.config, args.overrides).to_yaml(), end="")
+    from elastic_qa.recipe import deviations_comment
+
+    # Shown even while a setting that training needs is empty: seeing the config is how one fills it in.
+    cfg = resolve_config(args.config, args.overrides, complete=False)
+    print(cfg.to_yaml(), end="")
+    if cfg.model.kind == "hf":
+        print(deviations_comment(cfg), end="")
+    unset = cfg.unset()
+    if unset:
+        print(f"elastic-qa: note: {unset} (training refuses this config until it is set)", file=sys.stderr)
     return 0
 
 
@@ -284,7 +294,9 @@ MODEL_HELP = CHECKPOINT_HELP + ", or a directory `elastic-qa export` wrote"
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", default="default", help="YAML file, or a packaged config: default, tiny, squad"
+        "--config",
+        default="default",
+        help="YAML file, or a packaged config: default, tiny, squad, hf-tiny, hf-base",
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
 

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -102,6 +103,12 @@ class SyntheticConfig:
 _INT32_MAX = 2**31 - 1
 
 
+def question_tokens(max_seq_len: int, max_query_len: int, doc_stride: int, special_tokens: int) -> int:
+    """The most question tokens a window keeps: max_query_len, or for 0 (questions not cut) what leaves
+    doc_stride + 1 context tokens beside `special_tokens` ([CLS] and [SEP]s)."""
+    return max_query_len or max_seq_len - special_tokens - doc_stride - 1
+
+
 @dataclass
 class DataConfig:
     source: str = "synthetic"
@@ -127,7 +134,9 @@ class DataConfig:
     max_seq_len: int = 64
     """Tokens per window: [CLS] question [SEP] context [SEP]."""
     max_query_len: int = 24
-    """Question tokens kept (the rest are cut)."""
+    """Question tokens kept (the rest are cut); 0: questions are not cut (transformers' run_qa), up to what
+    leaves doc_stride + 1 context tokens in a window (max_seq_len - doc_stride - 4 with [CLS] and two
+    [SEP]; 5 for RoBERTa's pair of separators): a longer question is cut there."""
     doc_stride: int = 32
     """Context tokens shared by consecutive windows when a context is longer than one window."""
     max_answer_len: int = 16
@@ -145,6 +154,10 @@ class DataConfig:
     """Longest wait for a feature cache that another live process is building (it holds the cache's lease):
     then the start fails, naming that builder. A builder that is gone never makes anyone wait."""
 
+    def question_tokens(self, special_tokens: int) -> int:
+        """The most question tokens a window keeps, for a tokenizer adding `special_tokens` to a pair."""
+        return question_tokens(self.max_seq_len, self.max_query_len, self.doc_stride, special_tokens)
+
     def __post_init__(self) -> None:
         _require(bool(self.source.strip()), "source", self.source, "must not be empty")
         # The feature cache stores token ids and positions as int32; past that they would not fit.
@@ -161,17 +174,18 @@ class DataConfig:
             f"must be in [8, {_INT32_MAX}]",
         )
         _require(
-            1 <= self.max_query_len <= self.max_seq_len - 4,
+            0 <= self.max_query_len <= self.max_seq_len - 4,
             "max_query_len",
             self.max_query_len,
-            f"must be in [1, max_seq_len - 4 = {self.max_seq_len - 4}]",
+            f"must be in [0, max_seq_len - 4 = {self.max_seq_len - 4}] (0: questions not cut)",
         )
-        room = self.max_seq_len - self.max_query_len - 3
+        room = self.max_seq_len - max(1, self.max_query_len) - 3
         _require(
             0 <= self.doc_stride < room,
             "doc_stride",
             self.doc_stride,
-            f"must be in [0, {room}) (context tokens per window)",
+            f"must be in [0, {room}) (context tokens per window"
+            + (", with a question of at least one token)" if self.max_query_len == 0 else ")"),
         )
         _require(
             1 <= self.max_answer_len <= _INT32_MAX,
@@ -214,9 +228,10 @@ class ModelConfig:
     """Attention heads, must divide d_model (native only)."""
     d_ff: int = 256
     """Feed-forward inner size (native only)."""
-    dropout: float = 0.0
-    """Dropout probability; per-step masks derive from (seed, step, rank). hf: replaces every dropout
-    probability of the pretrained config (BERT fine-tuning recipes use 0.1)."""
+    dropout: float | None = None
+    """Dropout probability; per-step masks derive from (seed, step, rank). hf: a number replaces every
+    dropout probability of the pretrained config; null keeps the model's own (BERT's: 0.1). native: null is
+    0.0."""
     grad_checkpointing: bool = False
     """Recompute activations in backward: ~30% more compute for much less activation memory."""
 
@@ -229,9 +244,10 @@ class ModelConfig:
             self.n_heads,
             f"must divide d_model={self.d_model}",
         )
-        _require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        if self.dropout is None and self.kind == "native":
+            self.dropout = 0.0  # resolved, so that a native config reads as it did before null existed
+        _require(self.dropout is None or 0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
         if self.kind == "hf":
-            _require(bool(self.name_or_path.strip()), "name_or_path", self.name_or_path, "needed by kind=hf")
             # find_spec imports nothing: a config is checked in processes that never train.
             _require(
                 importlib.util.find_spec("transformers") is not None,
@@ -241,6 +257,10 @@ class ModelConfig:
             )
         else:
             _require(not self.name_or_path, "name_or_path", self.name_or_path, "only read by kind=hf")
+
+
+# The shape a checkpoint written before train.lr_schedule existed was trained with: the only one there was.
+LR_SCHEDULE_BEFORE_THE_KEY = "cosine"
 
 
 @dataclass
@@ -258,10 +278,14 @@ class TrainConfig:
     """`sqrt`: lr * sqrt(global_batch_size / reference_batch_size) when the batch is changed on purpose."""
     reference_batch_size: int = 32
     """The global batch the lr was tuned for (used by lr_scaling=sqrt)."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After warm-up: `cosine` or `linear` decay to min_lr_ratio * lr at max_steps, or `constant` (the peak
+    throughout). Changed on resume, the new shape starts from the learning rate at the checkpoint."""
     warmup_steps: int = 60
-    """Linear warm-up steps, then cosine decay to min_lr_ratio * lr at max_steps."""
+    """Linear warm-up steps from lr / warmup_steps to the peak, whatever lr_schedule (0: none)."""
     min_lr_ratio: float = 0.05
-    """Final learning rate as a share of the peak."""
+    """Final learning rate of `cosine` and `linear` as a share of the peak (0: decay to zero); `constant`
+    ignores it."""
     weight_decay: float = 0.01
     """AdamW weight decay (not applied to biases, norms and embeddings)."""
     grad_clip: float = 1.0
@@ -488,6 +512,13 @@ class Config:
         """sha256 of the resolved config: recorded in every checkpoint manifest."""
         return hashlib.sha256(self.to_yaml().encode()).hexdigest()
 
+    def unset(self) -> str | None:
+        """The line naming a setting that training needs and this config leaves empty, or None. Loading
+        refuses such a config unless asked not to (`config show` prints it with this line as a note)."""
+        if self.model.kind == "hf" and not self.model.name_or_path.strip():
+            return f"model.name_or_path={self.model.name_or_path!r}: needed by kind=hf"
+        return None
+
 
 def _yaml_name(f: dataclasses.Field) -> str:
     # `async` is a Python keyword; the YAML key is spelt without the trailing underscore.
@@ -502,6 +533,9 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+_EXPECTED = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+
+
 def _coerce(path: str, hint: Any, value: Any) -> Any:
     """Check `value` against the field's type hint, converting only the unambiguous cases."""
 
@@ -509,6 +543,16 @@ def _coerce(path: str, hint: Any, value: Any) -> Any:
         return ConfigError(f"{path}={value!r}: expected {expected}")
 
     origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):  # `float | None`: YAML's null, or a value of the other type
+        others = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if value is None and len(others) < len(typing.get_args(hint)):
+            return None
+        if len(others) != 1:
+            raise TypeError(f"unsupported config type {hint!r} at {path}")  # a bug in this file
+        try:
+            return _coerce(path, others[0], value)
+        except ConfigError:
+            raise bad(f"{_EXPECTED.get(others[0], others[0].__name__)} or null") from None
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
@@ -596,8 +640,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML config (default: the packaged one), apply dotted overrides, validate everything."""
+def _checked(cfg: Config, complete: bool) -> Config:
+    unset = cfg.unset() if complete else None
+    if unset:
+        raise ConfigError(unset)
+    return cfg
+
+
+def load_config(
+    path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, complete: bool = True
+) -> Config:
+    """Read a YAML config (default: the packaged one), apply dotted overrides, validate everything;
+    `complete=False` lets a config through that leaves a needed setting empty (Config.unset)."""
     source = Path(path) if path else DEFAULT_CONFIG
     try:
         text = source.read_text()
@@ -614,17 +668,18 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for text_override in overrides:
         key, value = parse_override(text_override)
         _set_dotted(tree, key, value)
-    return _build(Config, tree, "")
+    return _checked(_build(Config, tree, ""), complete)
 
 
-def resolve_config(name: str, overrides: typing.Sequence[str] = ()) -> Config:
-    """`--config NAME`: a YAML file, or the name of a packaged config (default, squad, tiny), + overrides."""
+def resolve_config(name: str, overrides: typing.Sequence[str] = (), *, complete: bool = True) -> Config:
+    """`--config NAME`: a YAML file, or the name of a packaged config (default, squad, tiny, hf-tiny,
+    hf-base), + overrides; `complete` as for load_config."""
     path = Path(name)
     if not path.suffix and not path.exists():
         path = packaged_config(name)
         if not path.exists():
             raise ConfigError(f"--config {name}: no such file or packaged config")
-    return load_config(path, overrides)
+    return load_config(path, overrides, complete=complete)
 
 
 def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
@@ -633,7 +688,7 @@ def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ())
     for text_override in overrides:
         key, value = parse_override(text_override)
         _set_dotted(tree, key, value)
-    return _build(Config, tree, "")
+    return _checked(_build(Config, tree, ""), complete=True)
 
 
 def packaged_config(name: str) -> Path:

@@ -16,13 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_qa.config import Config
+from elastic_qa.config import LR_SCHEDULE_BEFORE_THE_KEY, Config
 
 # model.* fields that do not change what the weights are; every other model field is a shape.
 _MODEL_NOT_SHAPE = frozenset({"model.dropout", "model.grad_checkpointing"})
 _DATA_SHAPE = frozenset({"data.tokenizer", "data.vocab_size", "data.lowercase"})
 # Where things are, not what is trained: a run resumed from another path is the same run.
 _IGNORED = frozenset({"run.dir", "checkpoint.dir", "checkpoint.resume_from", "data.cache_dir"})
+# What a checkpoint written before these keys existed was trained with: a resume that sets another value
+# changes something, unlike a key the checkpoint merely predates.
+_BEFORE_THE_KEY: dict[tuple[str, str], Any] = {("train", "lr_schedule"): LR_SCHEDULE_BEFORE_THE_KEY}
 
 _SCHEDULE = "the learning rate keeps its position: from its value at the checkpoint"
 _NEW_DATA = (
@@ -30,7 +33,10 @@ _NEW_DATA = (
     "consumed in the epoch) points into the new ones"
 )
 EFFECTS: dict[str, str] = {
-    "train.max_steps": f"{_SCHEDULE} it decays to train.min_lr_ratio x lr at the new train.max_steps",
+    "train.max_steps": f"{_SCHEDULE} it decays to train.min_lr_ratio x lr at the new train.max_steps "
+    "(constant: stays there)",
+    "train.lr_schedule": f"{_SCHEDULE} it follows the new shape to train.min_lr_ratio x lr at "
+    "train.max_steps (constant: stays there)",
     "train.warmup_steps": "counts only while still warming up; past warm-up the decay goes on unchanged",
     "train.min_lr_ratio": f"{_SCHEDULE} it decays to the new floor at train.max_steps",
     "train.lr": "the learning rate is rescaled by the new peak from the resumed step on",
@@ -76,6 +82,9 @@ def is_shape(key: str) -> bool:
 
 def config_changes(saved: dict[str, Any], current: Config) -> list[ConfigChange]:
     """The differences between a checkpoint's stored config and `current`, shape changes first."""
+    for (section, key), value in _BEFORE_THE_KEY.items():
+        if isinstance(saved.get(section), dict) and key not in saved[section]:
+            saved = {**saved, section: {**saved[section], key: value}}
     changes = [
         ConfigChange(key, old, new, is_shape(key))
         for key, old, new in _differences(saved, current.to_dict(), "")

@@ -132,7 +132,7 @@ class TrainState:
             detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)
             raise ResumeError(f"checkpoint {loaded.path} does not fit this run: {detail}") from None
         self.scheduler.load_state_dict(trainer["lr_scheduler"])
-        # Another max_steps, warm-up or floor re-aims the schedule from where it stands (see optim.py).
+        # Another shape, max_steps, warm-up or floor re-aims the schedule from where it stands (optim.py).
         saved_train = trainer["config"].get("train", {}) if isinstance(trainer["config"], dict) else {}
         retarget_schedule(self.scheduler, self.cfg, trainer["lr_scheduler"], saved_train)
         if self.scaler is not None and trainer["grad_scaler"]:

@@ -85,9 +85,9 @@ class Trainer:
         model = model.to(self.device)
         # Listed once: walking the modules for them at every step costs as much as the clipping.
         self.trained = [param for param in model.parameters() if param.requires_grad]
-        # Re-seeded only when a step draws random numbers (a pretrained config may carry dropout of its
-        # own besides model.dropout).
-        self.draws_random = cfg.model.dropout > 0 or any(
+        # Re-seeded only when a step draws random numbers (a pretrained model keeps dropout of its own
+        # when model.dropout is null).
+        self.draws_random = (cfg.model.dropout or 0.0) > 0 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         )
         self.comm_timer = CommTimer()

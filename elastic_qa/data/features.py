@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic_qa.config import Config, DataConfig
+from elastic_qa.config import Config, DataConfig, question_tokens
 from elastic_qa.data import wordpiece
 from elastic_qa.data.squad import QAExample
 from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
@@ -126,8 +126,9 @@ def build_features(
     # Pass 1 plans the windows; pass 2 writes them into preallocated columns (no per-token lists).
     plans = []  # (example, question ids, context ids, context spans, window start, window end, start, end)
     context, c_ids, c_spans = None, np.zeros(0, np.int64), np.zeros((0, 2), np.int64)
+    question_limit = question_tokens(max_seq_len, max_query_len, doc_stride, special_tokens=3)
     for example_index, example in enumerate(examples):
-        q_ids = tokenizer.encode(example.question)[0][:max_query_len]
+        q_ids = tokenizer.encode(example.question)[0][:question_limit]
         if example.context != context:  # SQuAD asks several questions of one context: encode it once
             context = example.context
             ids, spans = tokenizer.encode(context)

@@ -82,11 +82,13 @@ def checked_tokenizer(cfg: Config) -> Any:
     limit = tokenizer.model_max_length
     if limit < _NO_LIMIT and data.max_seq_len > limit:
         raise ConfigError(f"data.max_seq_len={data.max_seq_len}: this model reads at most {limit} tokens")
-    room = data.max_seq_len - data.max_query_len - tokenizer.num_special_tokens_to_add(pair=True)
+    # As config.py checks for [CLS] and two [SEP]s; max_query_len=0 needs room for a one-token question.
+    room = data.max_seq_len - max(1, data.max_query_len) - tokenizer.num_special_tokens_to_add(pair=True)
     if not 0 <= data.doc_stride < room:
         raise ConfigError(
             f"data.doc_stride={data.doc_stride}: must be in [0, {room}) "
-            f"(context tokens per window with this tokenizer's special tokens)"
+            f"(context tokens per window with this tokenizer's special tokens"
+            + (", with a question of at least one token)" if data.max_query_len == 0 else ")")
         )
     return tokenizer
 
@@ -166,7 +168,8 @@ def features(examples: list[QAExample], cfg: Config) -> Features:
     length = cfg.data.max_seq_len
     if not examples:
         return _no_windows(length)
-    questions = [_question(tok, e.question, cfg.data.max_query_len) for e in examples]
+    question_limit = cfg.data.question_tokens(tok.num_special_tokens_to_add(pair=True))
+    questions = [_question(tok, e.question, question_limit) for e in examples]
     encoded = tok(
         questions,
         [e.context for e in examples],
@@ -249,8 +252,11 @@ class PretrainedSpanQA(nn.Module):
         return logits[..., 0], logits[..., 1]
 
 
-def _with_dropout(config: Any, dropout: float) -> None:
-    """Every dropout (and LayerDrop) probability of a transformers config set to `model.dropout`."""
+def _with_dropout(config: Any, dropout: float | None) -> None:
+    """Every dropout (and LayerDrop) probability of a transformers config set to `model.dropout`; None
+    leaves the pretrained config's own."""
+    if dropout is None:
+        return
     for name, value in config.to_dict().items():
         if ("dropout" in name or "layerdrop" in name) and (value is None or type(value) in (int, float)):
             setattr(config, name, dropout)

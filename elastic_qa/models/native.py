@@ -52,7 +52,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.dropout = cfg.dropout
+        self.dropout = cfg.dropout or 0.0  # a native config resolves null to 0.0 at load
         self.attn_norm = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
@@ -61,9 +61,9 @@ class EncoderLayer(nn.Module):
             nn.Linear(cfg.d_model, cfg.d_ff),
             nn.GELU(),
             nn.Linear(cfg.d_ff, cfg.d_model),
-            nn.Dropout(cfg.dropout),
+            nn.Dropout(self.dropout),
         )
-        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = nn.Dropout(self.dropout)
 
     def forward(
         self, x: torch.Tensor, keep: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -91,7 +91,7 @@ class SpanQA(nn.Module):
         self.segments = nn.Embedding(2, cfg.d_model)  # token types; the name is a key checkpoints carry
         self.in_question = nn.Embedding(2, cfg.d_model)
         self.embed_norm = nn.LayerNorm(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout or 0.0)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
         # No biases here: a shift common to every position cancels in the softmax over positions, so their
