@@ -61,6 +61,7 @@ from elastic_qa.data.squad import DataError, QAExample, parse_squad
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
 
 SIDES = ("product", "hf")
+PRODUCT_CONFIG = "hf-base"  # the product's packaged run_qa recipe, under the overrides below
 GOAL_POINTS = 1.0  # |EM diff| and |F1 diff|, in points
 MAX_ANSWER_LEN, N_BEST, NULL_THRESHOLD = 30, 20, 0.0  # run_qa's defaults, on both sides
 
@@ -183,17 +184,19 @@ def timed(name: str, command: list[str], log: Path, threads: int, timeout: float
 
 
 def product_overrides(args: argparse.Namespace, split: Split, cache: Path, warmup: int) -> list[str]:
-    """The recipe in the product's config keys (see the module docstring); --config default underneath."""
+    """The recipe in the product's config keys, over its packaged run_qa config (hf-base), which keeps one
+    deliberate difference: train.freeze_loss_invariant (see that file). Data loads in the training process
+    on both sides (the Trainer's default: no loader workers)."""
     return [
-        "model.kind=hf",
         f"model.name_or_path={args.model_dir.resolve()}",
-        *model_dropout(args.model_dir),
+        "model.dropout=null",
         f"data.source={split.train}",
         f"data.eval_source={split.eval}",
         f"data.cache_dir={cache}",
+        "data.num_workers=0",
         f"data.max_seq_len={args.max_seq_len}",
         f"data.doc_stride={args.doc_stride}",
-        f"data.max_query_len={max_query_len(args)}",
+        "data.max_query_len=0",
         f"data.max_answer_len={MAX_ANSWER_LEN}",
         f"eval.n_best={N_BEST}",
         f"eval.null_threshold={NULL_THRESHOLD}",
@@ -201,6 +204,7 @@ def product_overrides(args: argparse.Namespace, split: Split, cache: Path, warmu
         f"train.micro_batch_size={args.global_batch}",
         f"train.lr={args.lr}",
         "train.lr_scaling=none",
+        "train.lr_schedule=linear",
         f"train.warmup_steps={warmup}",
         "train.min_lr_ratio=0",
         "train.weight_decay=0",
@@ -219,7 +223,7 @@ def run_product(
     args: argparse.Namespace, split: Split, run_dir: Path, threads: int, base: list[str]
 ) -> SideRun:
     overrides = [*base, f"run.dir={run_dir}", f"train.threads={threads}"]
-    command = torchrun(args.processes, "elastic_qa.train", ["--config", "default", *overrides])
+    command = torchrun(args.processes, "elastic_qa.train", ["--config", PRODUCT_CONFIG, *overrides])
     total_s, cpu_s = timed(
         f"product run {run_dir.name}", command, run_dir / "output.log", threads, args.run_timeout
     )
@@ -345,6 +349,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     warmup = round(0.1 * args.steps) if args.warmup is None else args.warmup
     if not 0 <= warmup <= args.steps:
         raise UsageError(f"--warmup {warmup}: must be in [0, --steps]")
+    if not (args.model_dir / "config.json").is_file():
+        raise UsageError(f"--model-dir {args.model_dir}: not a saved transformers model (no config.json)")
     sides, skipped = list(args.sides), {}
     if "hf" in sides and importlib.util.find_spec("accelerate") is None:
         skipped["hf"] = "accelerate is not installed (transformers' Trainer needs it: pip install accelerate)"
@@ -355,7 +361,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     base = product_overrides(args, split, work / "feature-cache", warmup)
     if "product" in sides:
         started = time.perf_counter()
-        bench_config("default", base)  # the feature cache, built before any timed run
+        bench_config(PRODUCT_CONFIG, base)  # the feature cache, built before any timed run
         prepare_s = time.perf_counter() - started
     golds = {e.id: [a.text for a in e.answers] for e in split.eval_examples}
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -367,8 +373,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if side == "product"
             else run_hf(args, split, run_dir, threads, warmup)
         )
+        predictions = {"answers": got.answers, "spans": got.spans, "null_odds": got.null_odds}
+        (run_dir / "predictions.json").write_text(json.dumps(predictions, ensure_ascii=False))
         runs[side].append(
             {
+                "predictions": str(run_dir / "predictions.json"),
                 "scores": score(got, golds),
                 **speed(got, args.steps, args.skip, args.global_batch),
                 "loss_curve": [[step, got.losses[step]] for step in sorted(got.losses)],
@@ -394,7 +403,7 @@ def summarise(
     golds = {e.id: [a.text for a in e.answers] for e in split.eval_examples}
     figures = ("samples_per_s", "median_step_s", "train_s", "total_s", "cpu_s")
     keys = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1", "best_exact", "best_f1")
-    sides = {
+    sides: dict[str, dict[str, Any]] = {
         side: {
             **{name: summary([r[name] for r in rows]) for name in figures},
             **{
@@ -494,13 +503,3 @@ def print_loss_points(sides: dict[str, Any], steps: int) -> None:
             for side, curve in curves.items()
         ],
     )
-
-
-def max_query_len(args: argparse.Namespace) -> int:
-    return 64
-
-
-def model_dropout(model_dir: Path) -> list[str]:
-    config = json.loads((model_dir / "config.json").read_text())
-    values = {v for k, v in config.items() if "dropout" in k and isinstance(v, int | float)}
-    return [f"model.dropout={values.pop()}"] if len(values) == 1 else []
