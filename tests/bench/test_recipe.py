@@ -119,8 +119,13 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
     (model / "config.json").write_text("{}")
     not_squad = tmp_path / "list.json"
     not_squad.write_text("[]")
+    malformed = tmp_path / "malformed.json"
+    document = json.loads(data.read_text())
+    del document["data"][2]["paragraphs"][0]["qas"][0]["question"]  # in the held-out article
+    malformed.write_text(json.dumps(document))
     cases = [
         (["--data", str(tmp_path / "absent.json")], "absent.json: cannot read"),
+        (["--data", str(malformed), "--train-articles", "2", "--eval-articles", "1"], "(eval articles)"),
         (["--data", str(not_squad)], "list.json: not SQuAD JSON"),
         (["--data", str(data), "--train-articles", "3", "--eval-articles", "1"], "3 articles, fewer than"),
         (["--data", str(data), "--global-batch", "3"], "--global-batch 3 must be divisible"),
@@ -130,7 +135,7 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
         argv = ["recipe", "--model-dir", str(model), "--work-dir", str(tmp_path / "w"), *extra]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert said in err and len(err.splitlines()) == 1
+        assert said in err and len(err.splitlines()) == 1, err
 
 
 # ---- end to end --------------------------------------------------------------------------------------
