@@ -77,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--answerable-only-train", action="store_true", help="drop unanswerable questions from training"
     )
-    parser.add_argument("--steps", type=positive_int, default=600, help="optimizer steps (600)")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=600,
+        help="optimizer steps (600: 1.8 epochs of the 5,292 windows that the first 12 articles of CS224N's "
+        "SQuAD 2.0 dev split give at the default lengths)",
+    )
     parser.add_argument("--global-batch", type=positive_int, default=16, help="windows per step (16)")
     parser.add_argument("--max-seq-len", type=positive_int, default=256, help="tokens per window (256)")
     parser.add_argument("--doc-stride", type=int, default=64, help="tokens shared by windows (64)")
