@@ -20,9 +20,9 @@ checkpoint (evaluate.predict), the HF side's from its post-processing. Speed: sa
 step time after the first --skip of the steps, from rank 0's per-step wall-clock times (the product's
 `step` events, the HF side's TrainerCallback); training time from the start of training to its last step;
 total time from launch to exit; CPU seconds of all the run's processes (getrusage of the children); the loss
-at every step (a few points printed, every step in the JSON). Each run's predictions are kept in its
-directory (predictions.json: answers, best spans, null odds). samples/s ratio: product over hf, paired
-run by run. Goals: |EM diff| and |F1 diff| <= 1 point, product samples/s >= hf's.
+at every step (a few points printed, every step in the JSON). Each run's predictions stay in its directory
+(predictions.json: answers, best spans, null odds; kept with --work-dir). samples/s ratio: product over hf,
+paired rep by rep. Goals: |EM diff| and |F1 diff| <= 1 point, product samples/s >= hf's.
 """
 
 from __future__ import annotations
@@ -249,6 +249,13 @@ def report(result: dict[str, Any]) -> None:
     baseline = result["no_answer_baseline"]
     print(f"all-no-answer baseline on the held-out set: EM {baseline['exact']:.2f}  F1 {baseline['f1']:.2f}")
     print_loss_points(sides, result["settings"]["steps"])
+    for run in sides.get("product", {}).get("runs", []):
+        own, scores = run["own_eval"], run["scores"]
+        if abs(own["em"] - scores["exact"]) > 0.01 or abs(own["f1"] - scores["f1"]) > 0.01:
+            print(
+                f"warning: the product run's own final evaluation (EM {own['em']:.2f} F1 {own['f1']:.2f}) "
+                f"differs from its checkpoint's predictions (EM {scores['exact']:.2f} F1 {scores['f1']:.2f})"
+            )
     if "comparison" in result:
         c = result["comparison"]
         print(f"product/hf samples/s: {show(c['samples_per_s_ratio_spread'])}")
