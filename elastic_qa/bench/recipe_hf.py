@@ -6,10 +6,11 @@
 AutoModelForQuestionAnswering from --model-dir (its own dropout), Trainer + TrainingArguments on CPU with
 the gloo backend: AdamW, linear schedule after --warmup steps, no weight decay, max_grad_norm 1 (the
 default), per-device batch = --global-batch / processes, a seeded data order, a loss logged every step,
-nothing saved; DDP as the Trainer sets it up unless told otherwise, as run_qa leaves it (for a model without
-activation checkpointing that is find_unused_parameters=True: one more walk of the autograd graph a step). Then the held-out windows are predicted (Trainer.predict, gathered over the ranks) and rank 0
-post-processes them (recipe_qa) and writes --out: per-step wall-clock times and losses, and per question the
-answer, best span and null odds. The benchmark scores them; nothing here scores anything.
+nothing saved; DDP as the Trainer sets it up by default, which run_qa keeps (for a model without activation
+checkpointing, find_unused_parameters=True: one more walk of the autograd graph a step). Then the held-out
+windows are predicted (Trainer.predict, gathered over the ranks) and rank 0 post-processes them (recipe_qa)
+and writes --out: per-step wall-clock times and losses, and per question the answer, best span and null
+odds. The benchmark scores them; nothing here scores anything.
 
 Needs `accelerate` (transformers' Trainer does); the benchmark checks for it before it starts this.
 """
