@@ -106,6 +106,9 @@ class _Failed:
 def _serve(tasks: Connection, results: Connection, featurizer: Any, cfg: Any, inherited: list) -> None:
     """A helper process: chunks in, results out, in order, until told to stop or its parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    # A fork inherits the parent's SIGTERM handler (a benchmark's turns SIGTERM into KeyboardInterrupt):
+    # the parent's terminate() at the end of a build must end a helper quietly, not with a traceback.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for connection in inherited:  # the parent's ends (a fork copies them): EOF must reach us when it dies
         connection.close()
     while True:

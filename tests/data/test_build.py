@@ -219,3 +219,27 @@ def test_prepare_workers_is_not_part_of_the_key(tmp_path):
     other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepare_workers=7))
     assert cache_key(cfg) == cache_key(other)
     assert build.default_workers() >= 1
+
+
+def test_a_build_under_a_handler_that_turns_sigterm_into_an_exception_ends_its_helpers_quietly(
+    tmp_path, inputs
+):
+    """`elastic-qa bench` turns SIGTERM into KeyboardInterrupt; forked helpers inherited that handler, so the
+    terminate() that ends them after a build printed one traceback per helper."""
+    train, dev = inputs
+    script = (
+        "import signal, sys\n"
+        "from elastic_qa.data.cache import prepare\n"
+        "from tests.data.test_build import data_config\n"
+        "from pathlib import Path\n"
+        "def stop(signum, frame):\n"
+        "    raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"cfg = data_config(Path({str(tmp_path)!r}), source={str(train)!r}, eval_source={str(dev)!r})\n"
+        "prepare(cfg, workers=2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
