@@ -29,6 +29,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+    probe        start-up cost of the loss-invariance probe (time, peak memory) for transformers models
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
     prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
     gpu          one GPU: nccl, bf16/fp16, async saves, a killed worker resumed; checks pass or fail
@@ -40,7 +41,17 @@ run failed, 2 bad arguments, 130/143 stopped by Ctrl-C/SIGTERM (the runs it had 
 `elastic-qa bench NAME --help` for the options of one.
 """
 
-BENCHMARKS = ("throughput", "checkpoint", "resume", "recovery", "scaling", "drift", "prepare", "gpu")
+BENCHMARKS = (
+    "throughput",
+    "checkpoint",
+    "probe",
+    "resume",
+    "recovery",
+    "scaling",
+    "drift",
+    "prepare",
+    "gpu",
+)
 
 
 def main(argv: list[str]) -> int:

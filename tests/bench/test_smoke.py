@@ -69,6 +69,17 @@ def test_checkpoint_of_a_model_dir_measures_only_that_model_with_fewer_reps(
     assert len(bert["restore_s"]["values"]) == 2 and positive(bert["restore_s"])
 
 
+def test_probe_runs_in_a_fresh_process_and_finds_the_invariant_tensors(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    result = bench(tmp_path, "probe", "--model-dir", str(hf_models["bert"]), "--reps", "1")
+    bert = result["models"]["bert"]
+    assert bert["frozen"] == 4  # 2 key biases, the QA bias, the last LayerNorm bias
+    assert positive(bert["seconds"]) and 0 < bert["copy_seconds"]["median"] < bert["seconds"]["median"]
+    assert bert["peak_after_bytes"]["median"] >= bert["peak_before_bytes"]["median"] > 0
+    assert bert["added_bytes"]["median"] > 0
+
+
 def test_resume(tmp_path: Path, cache_dir: Path) -> None:
     result = bench(
         tmp_path,
@@ -148,6 +159,8 @@ def test_drift(tmp_path: Path, cache_dir: Path) -> None:
         ["scaling", "--world-sizes", "one"],
         ["checkpoint", "--models", "huge"],
         ["checkpoint", "--model-dir", "/nonexistent/model"],
+        ["probe"],
+        ["probe", "--model-dir", "/nonexistent/model"],
         ["resume", "--positions", "100"],
         ["drift", "--resize", "2to3"],
         ["drift", "--config", "tiny", "model.nosuch=1"],
