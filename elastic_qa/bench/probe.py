@@ -162,5 +162,8 @@ def _mb(stat: dict[str, Any]) -> dict[str, Any]:
     return {key: [v / 1e6 for v in value] if key == "values" else value / 1e6 for key, value in stat.items()}
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+if __name__ == "__main__":  # the measured process: `--child THREADS OVERRIDES...`, one JSON line out
+    if sys.argv[1:2] != ["--child"]:
+        print("elastic_qa.bench.probe: run it as `elastic-qa bench probe`", file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(probe_in_this_process(sys.argv[3:], int(sys.argv[2]))))
