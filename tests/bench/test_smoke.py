@@ -75,7 +75,7 @@ def test_probe_runs_in_a_fresh_process_and_finds_the_invariant_tensors(
     result = bench(tmp_path, "probe", "--model-dir", str(hf_models["bert"]), "--reps", "1")
     bert = result["models"]["bert"]
     assert bert["frozen"] == 4  # 2 key biases, the QA bias, the last LayerNorm bias
-    assert positive(bert["seconds"]) and 0 < bert["copy_seconds"]["median"] < bert["seconds"]["median"]
+    assert positive(bert["seconds"]) and positive(bert["copy_seconds"])
     assert bert["peak_after_bytes"]["median"] >= bert["peak_before_bytes"]["median"] > 0
     assert bert["added_bytes"]["median"] > 0
 
