@@ -8,7 +8,7 @@
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
     elastic-qa export PATH --out DIR [--force]         weights + config, no training state
     elastic-qa ckpt list|verify|show PATH               look at checkpoints without training
-    elastic-qa bench throughput|checkpoint|resume|recovery|scaling|drift|prepare [...]
+    elastic-qa bench throughput|checkpoint|probe|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR                           one self-contained HTML page of a run
     elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help=CHECKPOINT_HELP)
     sub.add_parser(
-        "bench", help="benchmarks: throughput, checkpoint, resume, recovery, scaling, drift, prepare"
+        "bench", help="benchmarks: throughput, checkpoint, probe, resume, recovery, scaling, drift, prepare"
     )
     sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
     sub.add_parser("node", help="this host's part of a multi-node job (torchrun agent, store host, network)")

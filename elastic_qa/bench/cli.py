@@ -29,6 +29,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+    probe        start-up cost of the loss-invariance probe (time, peak memory) for transformers models
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
     prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
     recipe       fine-tuning a pretrained encoder: the product vs a plain transformers Trainer script
@@ -47,6 +48,7 @@ BENCHMARKS = (
     "resume",
     "recovery",
     "scaling",
+    "probe",
     "drift",
     "prepare",
     "recipe",

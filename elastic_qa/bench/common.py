@@ -30,16 +30,18 @@ class BenchParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def new_parser(name: str, description: str, reps: int | None) -> BenchParser:
+def new_parser(name: str, description: str, reps: int | None, reps_note: str = "") -> BenchParser:
     """A benchmark's parser with the options all of them share (--reps unless reps is None: a
-    deterministic benchmark; --json, --work-dir)."""
+    deterministic benchmark; --json, --work-dir). `reps_note` replaces "default N" in --reps' help."""
     parser = BenchParser(
         prog=f"elastic-qa bench {name}",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if reps is not None:
-        parser.add_argument("--reps", type=positive_int, default=reps, help=f"repetitions (default {reps})")
+        parser.add_argument(
+            "--reps", type=positive_int, default=reps, help=f"repetitions ({reps_note or f'default {reps}'})"
+        )
     parser.add_argument("--json", type=Path, help="write the figures and settings to this JSON file")
     parser.add_argument(
         "--work-dir",

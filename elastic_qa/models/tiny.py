@@ -1,11 +1,13 @@
 """Tiny random transformers QA models with their own trained tokenizers, for tests, smoke runs and benchmarks.
 
-    python -m elastic_qa.models.tiny DIR --style bert|roberta
+    python -m elastic_qa.models.tiny DIR --style bert|roberta [--size tiny|base]
 
 writes a loadable `model.name_or_path` directory: a randomly initialised BERT-style (WordPiece, token types)
 or RoBERTa-style (byte-level BPE, no token types) question-answering model, hidden size 32, 2 layers, and
 a fast tokenizer trained on a small built-in text (English and Chinese) plus any text files given. Nothing
-is downloaded. Needs the `hf` extra.
+is downloaded. Needs the `hf` extra. `--size base` gives the model bert-base's shape instead (hidden 768,
+12 layers, 12 heads, feed-forward 3072, a 30,522-row embedding, 512 positions: 108.9M parameters) for
+measuring costs at real size; its tokenizer is the same small one, so only its first ids ever occur.
 """
 
 from __future__ import annotations
@@ -22,6 +24,29 @@ if TYPE_CHECKING:  # the `hf` extra, imported where it is used
     from tokenizers import Tokenizer
 
 STYLES = ("bert", "roberta")
+# Model shapes: (transformers config sizes, positions). A `vocab_size` of None is the tokenizer's own.
+SIZES: dict[str, tuple[dict[str, int | None], int]] = {
+    "tiny": (
+        {
+            "vocab_size": None,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        },
+        128,
+    ),
+    "base": (  # bert-base-uncased's shape
+        {
+            "vocab_size": 30522,
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "intermediate_size": 3072,
+        },
+        512,
+    ),
+}
 
 # Chinese sentences so that the vocabulary has CJK characters (each is its own WordPiece token).
 _CHINESE = [
@@ -85,8 +110,14 @@ def _byte_bpe(texts: list[str], vocab_size: int) -> tuple[Tokenizer, dict[str, s
     return tokenizer, tokens, ["input_ids", "attention_mask"]
 
 
-def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (), seed: int = 0) -> Path:
-    """Write a tiny random QA model of `style` and its tokenizer into `directory` (save_pretrained)."""
+def create(
+    directory: Path,
+    style: str = "bert",
+    extra_files: Iterable[Path] = (),
+    seed: int = 0,
+    size: str = "tiny",
+) -> Path:
+    """Write a random QA model of `style` and `size` and its tokenizer into `directory` (save_pretrained)."""
     import torch
     import transformers
     from transformers import AutoModelForQuestionAnswering, BertConfig, PreTrainedTokenizerFast, RobertaConfig
@@ -95,10 +126,12 @@ def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (
 
     if style not in STYLES:
         raise ValueError(f"style {style!r}: must be one of {', '.join(STYLES)}")
+    if size not in SIZES:
+        raise ValueError(f"size {size!r}: must be one of {', '.join(SIZES)}")
+    shape, max_len = SIZES[size]
     texts = corpus(extra_files)
     build = _wordpiece if style == "bert" else _byte_bpe
     backend, special_tokens, input_names = build(texts, vocab_size=1000)
-    max_len = 128
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         model_max_length=max_len,
@@ -106,14 +139,8 @@ def create(directory: Path, style: str = "bert", extra_files: Iterable[Path] = (
         model_input_names=input_names,
         **special_tokens,
     )
-    sizes = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    sizes = {**shape, "pad_token_id": tokenizer.pad_token_id}
+    sizes["vocab_size"] = shape["vocab_size"] or len(tokenizer)
     config: transformers.PretrainedConfig
     if style == "bert":
         config = BertConfig(max_position_embeddings=max_len, type_vocab_size=2, **sizes)
@@ -141,9 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--style", choices=STYLES, default="bert", help="WordPiece or byte BPE")
     parser.add_argument("--text", type=Path, action="append", default=[], help="more tokenizer training text")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    parser.add_argument(
+        "--size",
+        choices=list(SIZES),
+        default="tiny",
+        help="tiny (hidden 32, 2 layers) or base (bert-base's shape)",
+    )
     args = parser.parse_args(argv)
     try:
-        path = create(args.directory, args.style, args.text, args.seed)
+        path = create(args.directory, args.style, args.text, args.seed, args.size)
     except ImportError as err:
         print(f"error: {err.name or err} is not installed: pip install 'elastic-qa[hf]'", file=sys.stderr)
         return 2

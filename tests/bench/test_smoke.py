@@ -51,7 +51,33 @@ def test_checkpoint(tmp_path: Path) -> None:
     tiny = result["models"]["tiny"]
     assert tiny["parameters"] > 0 and tiny["bytes"] > 0
     assert positive(tiny["stall_s"]) and positive(tiny["sync_s"]) and positive(tiny["async_total_s"])
+    assert positive(tiny["background_s"]) and positive(tiny["load_s"]) and positive(tiny["apply_s"])
     assert tiny["stall_ratio"] > 0 and "goal_met" in result
+
+
+def test_checkpoint_of_a_model_dir_measures_only_that_model_with_fewer_reps(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    result = bench(tmp_path, "checkpoint", "--model-dir", str(hf_models["bert"]))
+    assert list(result["models"]) == ["bert"] and result["settings"]["reps"] == 2
+    bert = result["models"]["bert"]
+    assert bert["model"]["kind"] == "hf" and bert["model"]["name_or_path"] == str(hf_models["bert"].resolve())
+    assert set(bert["file_bytes"]) == {"model.pt", "optimizer.pt", "trainer.pt"}
+    assert bert["bytes"] == sum(bert["file_bytes"].values())
+    # fp32 weights and AdamW's two moments: at least 3 x 4 bytes a parameter
+    assert bert["bytes"] > 12 * bert["parameters"]
+    assert len(bert["restore_s"]["values"]) == 2 and positive(bert["restore_s"])
+
+
+def test_probe_runs_in_a_fresh_process_and_finds_the_invariant_tensors(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    result = bench(tmp_path, "probe", "--model-dir", str(hf_models["bert"]), "--reps", "1")
+    bert = result["models"]["bert"]
+    assert bert["frozen"] == 4  # 2 key biases, the QA bias, the last LayerNorm bias
+    assert positive(bert["seconds"]) and positive(bert["copy_seconds"])
+    assert bert["peak_after_bytes"]["median"] >= bert["peak_before_bytes"]["median"] > 0
+    assert bert["added_bytes"]["median"] > 0
 
 
 def test_resume(tmp_path: Path, cache_dir: Path) -> None:
@@ -132,6 +158,9 @@ def test_drift(tmp_path: Path, cache_dir: Path) -> None:
         ["throughput", "--reps", "0"],
         ["scaling", "--world-sizes", "one"],
         ["checkpoint", "--models", "huge"],
+        ["checkpoint", "--model-dir", "/nonexistent/model"],
+        ["probe"],
+        ["probe", "--model-dir", "/nonexistent/model"],
         ["resume", "--positions", "100"],
         ["drift", "--resize", "2to3"],
         ["drift", "--config", "tiny", "model.nosuch=1"],
