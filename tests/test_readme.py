@@ -38,3 +38,32 @@ def test_readme_starts_with_the_run_and_test_commands_that_ci_uses() -> None:
     commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
     assert commands == ["make run", "make test"]
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces
+    to hyphens."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    outside_code = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    return {github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", outside_code, flags=re.MULTILINE)}
+
+
+def test_every_link_of_the_readme_and_docs_reaches_a_file_or_heading_of_the_repository() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue  # the web: not checked offline
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
