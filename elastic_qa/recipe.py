@@ -54,7 +54,9 @@ def deviations(cfg: Config) -> list[tuple[str, Any, Any]]:
     return [(key, here[key], value) for key, value in RUN_QA.items() if here[key] != value]
 
 
-def _shown(value: Any) -> str:
+def _shown(value: Any, key: str = "") -> str:
+    if value is None and key == "model.dropout":
+        return "null (the model's own)"
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
@@ -64,5 +66,5 @@ def deviations_comment(cfg: Config) -> str:
     if not found:
         return "# every setting of transformers' run_qa.py recipe is as run_qa sets it\n"
     lines = ["# differs from transformers' run_qa.py recipe (key: value here, recipe's value):"]
-    lines += [f"#   {key}: {_shown(mine)}, recipe {_shown(theirs)}" for key, mine, theirs in found]
+    lines += [f"#   {key}: {_shown(mine, key)}, recipe {_shown(theirs, key)}" for key, mine, theirs in found]
     return "\n".join(lines) + "\n"

@@ -261,7 +261,7 @@ def test_config_show_lists_every_hf_setting_that_differs_from_run_qa_after_the_c
     assert yaml.safe_load(out)["train"]["lr"] == 1e-4  # the block is YAML comments: the config still reads
     assert recipe_block(out) == [
         "# differs from transformers' run_qa.py recipe (key: value here, recipe's value):",
-        "#   model.dropout: 0.1, recipe null",
+        "#   model.dropout: 0.1, recipe null (the model's own)",
         "#   data.max_query_len: 64, recipe 0",
         "#   train.lr: 0.0001, recipe 3.0e-05",
         "#   train.freeze_loss_invariant: true, recipe false",
