@@ -17,7 +17,7 @@ from collections import defaultdict
 from tests.conftest import REPO
 
 LAYERS = {
-    "elastic_qa": 0, "config": 0, "config_changes": 0, "exits": 0, "network": 0, "liveness": 0,
+    "elastic_qa": 0, "config": 0, "config_changes": 0, "recipe": 0, "exits": 0, "network": 0, "liveness": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "state": 2, "optim": 2, "evaluate": 2, "export": 2, "output_paths": 2,
     "elastic": 3,
