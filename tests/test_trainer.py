@@ -51,8 +51,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> 
 def test_killed_run_resumes_to_bitwise_identical_parameters(
     tmp_path: Path, cache_dir: Path, uninterrupted: dict
 ) -> None:
-    # SIGKILL after step 25; the newest periodic checkpoint is step 20, so steps 21-25 are replayed.
-    train(tmp_path, cache_dir, "checkpoint.every_steps=10", "debug.kill_at_step=25", expect=-signal.SIGKILL)
+    # SIGKILL after step 25; the newest periodic checkpoint is step 20, so steps 21-25 are replayed. The
+    # killed run saves synchronously: an async write of step 20 may still be in flight five tiny steps
+    # later on a loaded machine (seen in CI: the resume was from 10), and the kill would be a race.
+    train(
+        tmp_path,
+        cache_dir,
+        "checkpoint.every_steps=10",
+        "checkpoint.async=false",
+        "debug.kill_at_step=25",
+        expect=-signal.SIGKILL,
+    )
     train(tmp_path, cache_dir, "checkpoint.every_steps=10")
     resumes = [e for e in read_events(tmp_path) if e["event"] == "resume"]
     assert [r["step"] for r in resumes] == [20]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from elastic_qa.chaos.evidence import (
     attempts,
@@ -115,18 +116,24 @@ def assert_nothing_lost(
     return {"restarts": regroups, "diff": diff, "events": events}
 
 
+def checked_final_parameters(run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The final parameters of a finished run, once its ledger shows every sample once and its newest
+    checkpoint is the last step."""
+    cfg = run_config(run_dir)
+    ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
+    assert ledger.ok, ledger.problems
+    step, params = final_parameters(cfg)
+    assert step == steps
+    return params
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict:
     """A fault-free run at world size 2: the parameters every faulted run must reproduce."""
     run_dir = tmp_path_factory.mktemp("reference")
     job = run_job(run_dir, cache_dir)
     assert finish(job) == 0
-    cfg = run_config(run_dir)
-    ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
-    assert ledger.ok, ledger.problems
-    step, params = final_parameters(cfg)
-    assert step == MAX_STEPS
-    return params
+    return checked_final_parameters(run_dir, MAX_STEPS)
 
 
 def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Path, reference: dict) -> None:

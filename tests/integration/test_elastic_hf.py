@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_qa.chaos.evidence import check_ledger, final_parameters, run_config
 from elastic_qa.chaos.job import Job
-from elastic_qa.data.cache import prepare
-from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from tests.integration.test_elastic import (
     assert_nothing_lost,
+    checked_final_parameters,
     finish,
     held_at,
     join_while_held,
@@ -50,12 +48,7 @@ def hf_job(run_dir: Path, cache: Path, model_dir: Path, *extra: str, agents: int
 
 def fault_free(run_dir: Path, cache: Path, model_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
     assert finish(hf_job(run_dir, cache, model_dir, *extra)) == 0
-    cfg = run_config(run_dir)
-    ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
-    assert ledger.ok, ledger.problems
-    step, params = final_parameters(cfg)
-    assert step == STEPS
-    return params
+    return checked_final_parameters(run_dir, STEPS)
 
 
 @pytest.fixture(scope="module")
