@@ -142,14 +142,15 @@ def test_an_async_save_returns_before_the_write_and_blocks_for_less_than_it_take
 
     started = time.perf_counter()
     result = ckpt.save(1, trainee.state(), manifest_fields())
-    returned = time.perf_counter() - started
-    assert not faulty_store.exists(1)  # still being written
+    assert not faulty_store.exists(1)  # still being written: save() returned before the write
     ckpt.wait()
     total = time.perf_counter() - started
 
     assert faulty_store.exists(1)
-    # all >= 4 slowed writes happened after the stall ended (no wall-clock bound on a busy CI box)
-    assert total - result.blocking_seconds >= 0.4 and total - returned >= 0.4
+    # all >= 4 slowed writes happened after the stall ended (no wall-clock bound on a busy CI box). Not
+    # measured from save()'s return: the writer thread starts inside save(), so on a loaded machine its
+    # first slowed write may begin before save() has returned (seen: 0.398 s after the return).
+    assert total - result.blocking_seconds >= 0.4
     committed = [e for e in events if e["event"] == "checkpoint_committed"]
     assert committed and committed[0]["blocking_seconds"] < committed[0]["seconds"]
 
