@@ -2,7 +2,8 @@
 
 Saving: the live state is copied to CPU memory at a step boundary (the only time training waits), then a
 background thread serialises, writes, commits and prunes. At most one save is in flight; when the next one
-falls due first, the caller waits and the wait is logged. Storage errors are logged and training goes on:
+falls due first, the caller waits and the wait is logged. The checkpoint a committed manifest names as the
+best (checkpoint/best.py) is kept beside the rotation. Storage errors are logged and training goes on:
 a short outage costs nothing (the trainer retries sooner while saves fail). Only when no save has succeeded
 for `checkpoint.give_up_after` since the first failure does training stop, rather than run on unprotected.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_qa.checkpoint.best import best_step
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
@@ -157,7 +159,7 @@ class Checkpointer:
                 seconds=round(seconds, 4),
                 blocking_seconds=round(seconds if blocking_seconds is None else blocking_seconds, 4),
             )
-            self.prune(keep=step)
+            self.prune(keep=step, best=best_step(verdict.manifest or {}))
         except StaleWriterError as err:
             self.log.error("checkpoint_fenced", step=step, reason=str(err))
             self.last_error = str(err)
@@ -193,11 +195,14 @@ class Checkpointer:
         """The last save failed (a storage error): the caller may retry sooner than its timer says."""
         return self._failures > 0
 
-    def prune(self, keep: int) -> None:
-        """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays."""
+    def prune(self, keep: int, best: int | None = None) -> None:
+        """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays, and
+        so does `best`, the best checkpoint its manifest names."""
         committed = self.store.list_steps()
         retained = retained_steps([c.step for c in committed], self.cfg.keep_last, self.cfg.keep_every_steps)
         retained.add(keep)
+        if best is not None:
+            retained.add(best)
         for info in committed:
             if info.step in retained or info.step > keep:
                 continue
