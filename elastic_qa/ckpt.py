@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from elastic_qa.checkpoint.locate import CheckpointLocation, best_record, resolve_checkpoint_path
+from elastic_qa.checkpoint.best import best_record
+from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointInfo
 from elastic_qa.state import ResumeError, upgrade

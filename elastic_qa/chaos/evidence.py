@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from elastic_qa.checkpoint.locate import best_record
+from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore, open_store

@@ -10,7 +10,9 @@ evaluations without improvement survive any resume. Each checkpoint's manifest c
 The checkpoint named by the newest committed manifest's "best" is the run's best: the rotation never prunes
 it (manager.py), and a better one replaces it only once the better one is committed and verified, because
 the pointer moves only with a commit. A crash before that commit leaves the old pointer, and the old best,
-in place.
+in place. A save of a new best that fails (a storage error, training goes on) leaves the evaluation without
+its checkpoint: later manifests then go on naming the best the store holds (manager.py), never a step that
+is not there.
 
 Improvement: a score above the best so far is a new best; only one above best + early_stop_min_delta
 resets the early-stop count. Scores are fractions (EM and F1 in [0, 1]).
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig
 
 
@@ -118,3 +121,15 @@ def best_step(manifest: Mapping[str, Any]) -> int | None:
     """The step of the best checkpoint as of the checkpoint holding `manifest` (None: none recorded)."""
     best = best_of(manifest)
     return None if best is None else int(best["step"])
+
+
+def best_record(store: CheckpointStore) -> dict[str, Any] | None:
+    """The run's best checkpoint as the newest committed manifest that reads names it ({"metric", "value",
+    "step"}), or None when that manifest names none."""
+    for info in reversed(store.list_steps()):
+        try:
+            manifest = store.read_manifest(info.path)
+        except (OSError, ValueError):
+            continue
+        return best_of(manifest)
+    return None

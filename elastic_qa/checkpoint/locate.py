@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from elastic_qa.checkpoint.best import best_of
+from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.state import TRAINER_FILE
 from elastic_qa.checkpoint.store import (
@@ -90,18 +90,6 @@ def load_checkpoint(path: str) -> LoadedCheckpoint:
     if loaded is None:
         raise CheckpointError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {path}`)")
     return loaded
-
-
-def best_record(store: CheckpointStore) -> dict[str, Any] | None:
-    """The run's best checkpoint as the newest committed manifest that reads names it ({"metric", "value",
-    "step"}; checkpoint/best.py), or None when that manifest names none."""
-    for info in reversed(store.list_steps()):
-        try:
-            manifest = store.read_manifest(info.path)
-        except (OSError, ValueError):
-            continue
-        return best_of(manifest)
-    return None
 
 
 def load_best_checkpoint(path: str) -> LoadedCheckpoint:

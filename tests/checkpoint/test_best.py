@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from elastic_qa import ckpt as inspect
-from elastic_qa.checkpoint.best import BestTracker, best_of
-from elastic_qa.checkpoint.locate import best_record, load_best_checkpoint
+from elastic_qa.checkpoint.best import BestTracker, best_of, best_record
+from elastic_qa.checkpoint.locate import load_best_checkpoint
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
 from elastic_qa.cli import main as cli_main
@@ -172,6 +172,21 @@ def test_the_old_best_goes_only_once_the_new_one_is_committed(tmp_path: Path) ->
     saves.failing = False
     saves.save(30, best=30, evaluated=0.6)
     assert saves.steps() == [30]
+
+
+def test_a_best_whose_save_failed_is_never_named_and_the_standing_best_stays(tmp_path: Path) -> None:
+    saves = Saves(tmp_path / "ckpt", keep_last=1)
+    saves.save(10, best=10, evaluated=0.5)
+    saves.failing = True  # a storage error: the new best of step 20 is never committed, training goes on
+    saves.save(20, best=20, evaluated=0.6)
+    saves.failing = False
+
+    saves.save(30, best=20)  # the tracker still names 20: the manifest names the best that stands
+
+    assert saves.steps() == [10, 30]
+    assert best_record(saves.store)["step"] == 10
+    saves.save(40, best=40, evaluated=0.7)
+    assert saves.steps() == [40]
 
 
 def test_a_restart_keeps_the_best_its_checkpoints_name(tmp_path: Path) -> None:
