@@ -391,7 +391,7 @@ class Trainer:
         best, step = self.state.best, self.state.step
         if best.observe(step, scores) and self.ctx.is_main:
             self.log.info("eval_best", step=step, metric=best.metric, value=round(scores[best.metric], 4))
-        if best.exhausted and self.ctx.is_main:
+        if best.exhausted and self.ctx.is_main and step < self.cfg.train.max_steps:  # else: the end anyway
             self._log_early_stop()
 
     def _log_early_stop(self) -> None:
@@ -424,10 +424,12 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         """Final evaluation and checkpoint. Done only once the final state is committed and verified."""
         self.control.enter(Phase.DONE)
-        if self.state.best.exhausted and self.ctx.is_main and self.session.resumed_step == self.state.step:
+        step = self.state.step
+        early = self.state.best.exhausted and step < self.cfg.train.max_steps
+        if early and self.ctx.is_main and self.session.resumed_step == step:
             self._log_early_stop()  # resumed from an early stop: its final checkpoint stands
         # Evaluated at this step already (an early stop): the same state scores the same.
-        scores = self.state.best.scores_at(self.state.step) or self.run_eval()
+        scores = self.state.best.scores_at(step) or self.run_eval()
         self.session.save_final()
         if self.scalars:
             self.scalars.close()
