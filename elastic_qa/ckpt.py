@@ -1,5 +1,8 @@
 """`elastic-qa ckpt list | verify | show`: look at checkpoints without training.
 
+`list` shows each checkpoint's evaluation scores (when it was evaluated at its step) and marks the run's
+best checkpoint (checkpoint.keep_best: the one the newest committed manifest names, checkpoint/best.py).
+
 Each takes a run directory, its checkpoints directory or one step directory (resolve_checkpoint_path):
 list and verify then cover that one checkpoint, show picks the newest committed one of a directory.
 Everything shown comes from files an attacker may have written: each checkpoint gets one line, reasons
@@ -12,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointInfo
@@ -67,10 +71,23 @@ def _size(manifest: dict[str, Any]) -> str:
     return f"{sum(s for s in sizes if type(s) is int and s >= 0) / 2**20:.1f}MiB"
 
 
+def _score(manifest: dict[str, Any], step: int, metric: str) -> str:
+    """The manifest's `metric` score of its own state (evaluated at `step`), or '-'."""
+    scores = manifest.get("eval")
+    if not isinstance(scores, dict) or scores.get("step") != step:
+        return "-"
+    value = scores.get(metric)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return f"{value:.4f}"
+
+
 def cmd_list(path: str) -> int:
     _, checkpointer, infos = _located(path)
     store = checkpointer.store
-    rows = [("step", "epoch", "world", "size", "age", "verified")]
+    best = best_record(store)
+    best_step = None if best is None else best["step"]
+    rows = [("step", "epoch", "world", "size", "age", "f1", "em", "best", "verified")]
     for info in infos:
         verdict = store.verify(info.path)
         if verdict.vanished or (not verdict.ok and store.vanished(info)):
@@ -87,14 +104,17 @@ def cmd_list(path: str) -> int:
                 _one_line(manifest.get("world_size", "?"))[:12],
                 _size(manifest),
                 age,
+                _score(manifest, info.step, "f1"),
+                _score(manifest, info.step, "em"),
+                f"{best['metric']}={best['value']:.4f}" if best and info.step == best_step else "-",
                 "yes" if verdict.ok else f"NO: {_one_line(verdict.reason)}",
             )
         )
     if len(rows) == 1:
         raise CheckpointError(f"{path}: no checkpoints (every one was pruned while listing)")
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    widths = [max(len(r[i]) for r in rows) for i in range(8)]
     for row in rows:
-        print("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5])
+        print("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row[:8])) + "  " + row[8])
     return 0
 
 
@@ -147,6 +167,12 @@ def _describe(path: str, trainer_file: dict[str, Any], manifest: dict[str, Any])
         f"config {str(manifest.get('config_hash', ''))[:12]}  versions {manifest.get('versions')}",
         f"  rng states for ranks {sorted(state['rng'])}",
     ]
+    best = trainer_file.get("best")
+    if isinstance(best, dict) and best.get("step") is not None:
+        lines.append(
+            f"  best {best.get('metric')} {best.get('value')} at step {best.get('step')}  "
+            f"evaluations without improvement {best.get('stale_evals')}"
+        )
     for name in STATE_FILES:
         entry = manifest["files"][name]
         lines.append(f"  {name}: {entry['size']} bytes  sha256 {entry['sha256'][:16]}...")

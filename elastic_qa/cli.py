@@ -6,7 +6,7 @@
     elastic-qa eval --checkpoint PATH [--data FILE] [--out DIR] [--null-threshold X] [--json]
                                                         SQuAD v2 scores; predictions.json, null_odds.json
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
-    elastic-qa export PATH --out DIR [--force]         weights + config, no training state
+    elastic-qa export PATH --out DIR [--force] [--best] weights + config, no training state
     elastic-qa ckpt list|verify|show PATH               look at checkpoints without training
     elastic-qa bench throughput|checkpoint|probe|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
@@ -187,7 +187,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from elastic_qa.export import export_checkpoint
 
-    exported = export_checkpoint(args.checkpoint, Path(args.out), force=args.force)
+    exported = export_checkpoint(args.checkpoint, Path(args.out), force=args.force, best=args.best)
     print(f"exported {exported.source} ({exported.cfg.model.kind} model) to {args.out}")
     return 0
 
@@ -267,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to create (must be empty or absent)")
     p.add_argument(
         "--force", action="store_true", help="replace a non-empty --out once the export is complete"
+    )
+    p.add_argument(
+        "--best",
+        action="store_true",
+        help="the run's best checkpoint (checkpoint.keep_best) instead of its newest valid one",
     )
     p = sub.add_parser("ckpt", help="list, verify or show checkpoints")
     p.add_argument(

@@ -351,6 +351,14 @@ class CheckpointConfig:
     """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
     keep_every_steps: int = 0
     """Milestones: checkpoints whose step is a multiple of N are never pruned (0: none)."""
+    keep_best: Literal["none", "f1", "em"] = "none"
+    """Also keep the checkpoint of the best evaluation so far by this metric, beside the rotation: saved at
+    the step of a new best, never pruned until a better one is committed and verified."""
+    early_stop_patience: int = 0
+    """End the run (final checkpoint, exit 0) after N evaluations in a row without improvement of the
+    keep_best metric (0: never; needs keep_best)."""
+    early_stop_min_delta: float = 0.0
+    """An evaluation improves only by more than this (a fraction: F1 and EM are in [0, 1])."""
     async_: bool = True
     """Copy the state to CPU at a step boundary, write and commit it in the background."""
     resume: bool = True
@@ -376,6 +384,21 @@ class CheckpointConfig:
         _require(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
         _require(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
         _require(self.keep_every_steps >= 0, "keep_every_steps", self.keep_every_steps, "must be >= 0")
+        _require(
+            self.early_stop_patience >= 0, "early_stop_patience", self.early_stop_patience, "must be >= 0"
+        )
+        _require(
+            self.keep_best != "none" or not self.early_stop_patience,
+            "early_stop_patience",
+            self.early_stop_patience,
+            "needs checkpoint.keep_best=f1 or em (the metric it watches)",
+        )
+        _require(
+            0 <= self.early_stop_min_delta < 1,
+            "early_stop_min_delta",
+            self.early_stop_min_delta,
+            "must be in [0, 1) (scores are fractions)",
+        )
         _require(
             self.emergency_retry_for.total_seconds() >= 0,
             "emergency_retry_for",

@@ -49,6 +49,8 @@ EFFECTS: dict[str, str] = {
     "data.max_seq_len": _NEW_DATA,
     "data.max_query_len": _NEW_DATA,
     "data.doc_stride": _NEW_DATA,
+    "checkpoint.keep_best": "none: no best is kept from now on (the rotation prunes the old one); another "
+    "metric: the best starts over at the next evaluation",
     "data.vocab_file": "none if it holds the checkpoint's vocabulary (compared by content: another is "
     "refused)",
 }
@@ -134,6 +136,12 @@ def suspicious_settings(cfg: Config, train_windows: int) -> list[str]:
         found.append(
             f"train.global_batch_size={train.global_batch_size} is larger than the {train_windows} training "
             "windows: every step takes the whole epoch, with fewer samples than the batch size"
+        )
+    best = cfg.checkpoint.keep_best
+    if best != "none" and not train.eval_every:
+        found.append(
+            f"checkpoint.keep_best={best} with train.eval_every=0: only the final evaluation is scored, so "
+            "the best checkpoint is the final one and early stopping never happens"
         )
     return found
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_qa.checkpoint.locate import load_checkpoint, resolve_checkpoint_path
+from elastic_qa.checkpoint.locate import load_best_checkpoint, load_checkpoint, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.config import Config, ConfigError, DataConfig, config_from_dict, load_config
 from elastic_qa.data.wordpiece import materialise
@@ -129,8 +129,9 @@ def _empty_or_absent(out: Path) -> bool:
     return not out.exists() or (out.is_dir() and not any(out.iterdir()))
 
 
-def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionModel:
-    """Write the model of the checkpoint `path` resolves to into `out` (see the module docstring).
+def export_checkpoint(path: str, out: Path, force: bool = False, best: bool = False) -> PredictionModel:
+    """Write the model of the checkpoint `path` resolves to (with `best`: the run's best checkpoint, see
+    checkpoint/best.py) into `out` (see the module docstring).
 
     A non-empty `out` is refused unless `force`; even then it is replaced only once the new export is
     complete.
@@ -144,7 +145,8 @@ def export_checkpoint(path: str, out: Path, force: bool = False) -> PredictionMo
             f"--out {out}: holds the checkpoint being exported ({path}); choose another directory"
         )
     refuse_managed_output(out, "--out", [resolve_checkpoint_path(path).directory])
-    loaded = model_from_checkpoint(load_checkpoint(path), torch.device("cpu"))
+    checkpoint = load_best_checkpoint(path) if best else load_checkpoint(path)
+    loaded = model_from_checkpoint(checkpoint, torch.device("cpu"))
     out = out.absolute()
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
     try:

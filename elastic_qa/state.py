@@ -8,6 +8,8 @@
                    "counters": step, tokens_seen,
                    "rng":      every rank's generators, by rank,
                    "saved_by": world_size, global_batch_size, attempt (facts about the save, never restored),
+                   "best":     the best evaluation so far and the early-stop count (checkpoint/best.py;
+                               absent in checkpoints written before it existed),
                    "config", "versions",
                    "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise)}
 
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from elastic_qa.checkpoint.best import BestTracker
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.checkpoint.state import (
     MODEL_FILE,
@@ -77,6 +80,7 @@ class TrainState:
         self.vocabulary = vocabulary  # the tokenizer's, when it has one of its own (PreparedData.vocabulary)
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0
+        self.best = BestTracker(cfg.checkpoint)
 
     def complete_step(self, batch: dict[str, Any]) -> None:
         """The step's update is applied: the counters and the data position move together."""
@@ -101,6 +105,7 @@ class TrainState:
             },
             "config": self.cfg.to_dict(),
             "versions": versions(),
+            "best": self.best.state_dict(),
         }
         if self.vocabulary is not None:  # the model's ids mean nothing without it: it travels with them
             trainer["vocabulary"] = self.vocabulary
@@ -141,6 +146,7 @@ class TrainState:
         self.scheduler.base_lrs = [self.cfg.train.peak_lr for _ in self.scheduler.base_lrs]
         self.step = int(trainer["counters"]["step"])
         self.tokens_seen = int(trainer["counters"]["tokens_seen"])
+        self.best.load_state_dict(trainer.get("best"))
         mine = trainer["rng"].get(str(self.ctx.rank))
         if mine is not None:  # a rank the saved world did not have keeps its fresh generators
             set_rng_state(mine)

@@ -4,7 +4,8 @@
     for each global batch from the cursor on:
         train one step (this rank's share, micro-batches under no_sync, loss / global count)
         advance the cursor; agree with all ranks on "save now?" and "stop now?" (the control plane)
-        log, evaluate, checkpoint as due
+        log, evaluate, checkpoint as due (evaluation first: a new best is saved at its own step)
+        stop early once evaluations stop improving (checkpoint.early_stop_patience)
     evaluate, final checkpoint (committed and verified), train_done
 
 What every rank must agree on and the phases a worker goes through (running, stopping, emergency, done)
@@ -209,7 +210,7 @@ class Trainer:
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
-            while state.step < cfg.train.max_steps:
+            while state.step < cfg.train.max_steps and not state.best.exhausted:
                 self.timer.start_step(state.step + 1)
                 batch = next(batches)
                 self.timer.mark("data")
@@ -288,12 +289,21 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             self._log_step(batch, stats)
-        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
-        if due and not decision.stop and step < cfg.train.max_steps:
-            self.session.save(reason="periodic")
         self.timer.mark("log_and_save")
+        new_best = False
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
-            self.run_eval()
+            new_best = self.run_eval() is not None and self.state.best.step == step
+            self.timer.skip()  # evaluation is no part of the step's phases
+        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
+        # An early stop commits this step as the final checkpoint instead (_finish).
+        if (
+            (due or new_best)
+            and not decision.stop
+            and step < cfg.train.max_steps
+            and not self.state.best.exhausted
+        ):
+            self.session.save(reason="best" if new_best else "periodic")
+        self.timer.mark("log_and_save")
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
@@ -328,6 +338,7 @@ class Trainer:
 
     # ---- evaluation and the end ---------------------------------------------------------------------
     def run_eval(self) -> dict[str, float] | None:
+        """Evaluate the current state; its scores (on every rank) are observed by the best tracker."""
         if self.data.eval is None:
             return None
         started = time.perf_counter()
@@ -358,7 +369,47 @@ class Trainer:
             self.console.line(f"eval step {step}: {em_f1_text(scores['em'], scores['f1'])}")
             if self.scalars:
                 self.scalars.add(step, eval_em=scores["em"], eval_f1=scores["f1"], eval_loss=scores["loss"])
-        return scores
+        shared = self._shared_scores(scores)
+        if shared is not None:
+            self._observe(shared)
+        return shared if scores is None else scores
+
+    def _shared_scores(self, scores: dict[str, float] | None) -> dict[str, float] | None:
+        """Rank 0's scores on every rank (evaluate scores on rank 0 only): every rank's best tracker must
+        agree, as any rank may write an emergency checkpoint and all must stop early together."""
+        if not self.ctx.distributed:
+            return scores
+        shared = torch.zeros(4, dtype=torch.float64)  # scored, em, f1, loss
+        if scores is not None:
+            shared[:] = torch.tensor([1.0, scores["em"], scores["f1"], scores["loss"]], dtype=torch.float64)
+        dist.broadcast(shared, src=0, group=self.control_group)
+        if not shared[0]:
+            return None
+        return {"em": float(shared[1]), "f1": float(shared[2]), "loss": float(shared[3])}
+
+    def _observe(self, scores: dict[str, float]) -> None:
+        best, step = self.state.best, self.state.step
+        if best.observe(step, scores) and self.ctx.is_main:
+            self.log.info("eval_best", step=step, metric=best.metric, value=round(scores[best.metric], 4))
+        if best.exhausted and self.ctx.is_main and step < self.cfg.train.max_steps:  # else: the end anyway
+            self._log_early_stop()
+
+    def _log_early_stop(self) -> None:
+        best = self.state.best
+        self.log.info(
+            "early_stop",
+            step=self.state.step,
+            metric=best.metric,
+            best=best.value,
+            best_step=best.step,
+            evaluations_without_improvement=best.stale_evals,
+            patience=best.patience,
+            min_delta=best.min_delta,
+        )
+        self.console.line(
+            f"early stop at step {self.state.step}: {best.stale_evals} evaluations in a row without "
+            f"{best.metric} above {best.value:.4f} + {best.min_delta} (the best, at step {best.step})"
+        )
 
     def _stop(self) -> dict[str, Any]:
         self.control.enter(Phase.STOPPING)
@@ -373,7 +424,12 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         """Final evaluation and checkpoint. Done only once the final state is committed and verified."""
         self.control.enter(Phase.DONE)
-        scores = self.run_eval()
+        step = self.state.step
+        early = self.state.best.exhausted and step < self.cfg.train.max_steps
+        if early and self.ctx.is_main and self.session.resumed_step == step:
+            self._log_early_stop()  # resumed from an early stop: its final checkpoint stands
+        # Evaluated at this step already (an early stop): the same state scores the same.
+        scores = self.state.best.scores_at(step) or self.run_eval()
         self.session.save_final()
         if self.scalars:
             self.scalars.close()

@@ -49,15 +49,17 @@ def as_loaded(files: dict, step: int) -> LoadedCheckpoint:
 
 
 def test_a_state_round_trips_through_its_state_dict() -> None:
-    saved = trained_state(9)
+    saved = trained_state(9, "checkpoint.keep_best=f1")
+    saved.best.observe(9, {"em": 0.25, "f1": 0.5, "loss": 2.0})
     files = saved.state_dict({}, attempt=4)
     check_safe(files)  # loadable with weights_only=True
-    restored = fresh_state(seed=1)
+    restored = fresh_state(1, "checkpoint.keep_best=f1")
     restored.load_state_dict(as_loaded(files, 9))
 
     assert (restored.step, restored.tokens_seen) == (9, 9 * 160)
     assert restored.cursor.state_dict() == saved.cursor.state_dict()
     assert restored.scheduler.state_dict()["last_epoch"] == 9
+    assert (restored.best.step, restored.best.value) == (9, 0.5)  # the best so far survives a resume
     for a, b in zip(saved.model.parameters(), restored.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -76,6 +78,7 @@ def test_the_data_position_is_stored_once() -> None:
         "saved_by",
         "config",
         "versions",
+        "best",
     }
     assert trainer["data"] == state.cursor.state_dict()
     assert trainer["counters"] == {"step": 8, "tokens_seen": 8 * 160}

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore, open_store
@@ -186,7 +187,8 @@ def check_checkpoints(
     """Every committed checkpoint in place verifies and loads (but `exclude`, and copies that were
     corrupted on purpose: (step, when) in `corruptions`, while a later commit of the step must verify);
     a quarantined one (`rejected/`) that verifies must have been superseded by a newer attempt's commit of
-    its step (else a valid checkpoint was set aside); no more are retained than the policy allows."""
+    its step (else a valid checkpoint was set aside); no more are retained than the policy allows (the
+    rotation, and the best checkpoint the newest manifest names)."""
     problems = []
     copies = checkpoint_copies(cfg)
     for copy in copies:
@@ -197,6 +199,9 @@ def check_checkpoints(
             problems.append(f"checkpoint step {copy.step}: {copy.reason}")
     steps = [copy.step for copy in copies if not copy.quarantined]
     allowed = retained_steps(steps, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps)
+    best = best_record(checkpoint_store(cfg))
+    if best is not None:
+        allowed.add(best["step"])
     extra = sorted(set(steps) - allowed)
     if extra:
         problems.append(f"{len(steps)} checkpoints retained, the policy allows {len(allowed)}: extra {extra}")

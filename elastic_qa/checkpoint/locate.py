@@ -17,9 +17,17 @@ from typing import Any
 
 import yaml
 
+from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.state import TRAINER_FILE
-from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, open_store, step_of
+from elastic_qa.checkpoint.store import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointStore,
+    open_store,
+    step_dir_name,
+    step_of,
+)
 from elastic_qa.config import CheckpointConfig
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run directory holds
@@ -82,6 +90,27 @@ def load_checkpoint(path: str) -> LoadedCheckpoint:
     if loaded is None:
         raise CheckpointError(f"{path}: no valid checkpoint (see `elastic-qa ckpt verify {path}`)")
     return loaded
+
+
+def load_best_checkpoint(path: str) -> LoadedCheckpoint:
+    """The best checkpoint of a run or checkpoints directory (verified, loaded with weights_only);
+    CheckpointError when the run has none or it does not verify."""
+    location = resolve_checkpoint_path(path)
+    if location.step_path is not None:
+        raise CheckpointError(f"{path}: --best takes a run or checkpoints directory, not one checkpoint")
+    checkpointer = location.checkpointer()
+    store = checkpointer.store
+    best = best_record(store)
+    if best is None:
+        raise CheckpointError(
+            f"{path}: the run has no best checkpoint (trained without checkpoint.keep_best, or not evaluated "
+            "since it was set)"
+        )
+    step = int(best["step"])
+    try:
+        return checkpointer.load_step(store.path(step_dir_name(step)), step)
+    except (OSError, ValueError, KeyError, CheckpointError) as err:
+        raise CheckpointError(f"{path}: the best checkpoint (step {step}) is not valid: {err}") from None
 
 
 def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:

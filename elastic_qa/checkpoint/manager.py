@@ -2,7 +2,8 @@
 
 Saving: the live state is copied to CPU memory at a step boundary (the only time training waits), then a
 background thread serialises, writes, commits and prunes. At most one save is in flight; when the next one
-falls due first, the caller waits and the wait is logged. Storage errors are logged and training goes on:
+falls due first, the caller waits and the wait is logged. The checkpoint a committed manifest names as the
+best (checkpoint/best.py) is kept beside the rotation. Storage errors are logged and training goes on:
 a short outage costs nothing (the trainer retries sooner while saves fail). Only when no save has succeeded
 for `checkpoint.give_up_after` since the first failure does training stop, rather than run on unprotected.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_qa.checkpoint.best import best_record, best_step
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
@@ -139,6 +141,8 @@ class Checkpointer:
         """Serialise, commit, verify, prune; `blocking_seconds` None means a synchronous save."""
         try:
             check_safe(snapshot, "checkpoint")
+            wanted = best_step(manifest_fields)  # the tracker's best, which a peer may still be writing
+            manifest_fields = self._standing_best(step, manifest_fields)
             files = {name: serialize(snapshot[name]) for name in STATE_FILES}
             path = self.store.commit(step, files, manifest_fields, self.may_commit, self.before_file)
             verdict = self.store.verify(path)
@@ -157,7 +161,8 @@ class Checkpointer:
                 seconds=round(seconds, 4),
                 blocking_seconds=round(seconds if blocking_seconds is None else blocking_seconds, 4),
             )
-            self.prune(keep=step)
+            named = best_step(verdict.manifest or {})
+            self.prune(keep=step, best={best for best in (named, wanted) if best is not None})
         except StaleWriterError as err:
             self.log.error("checkpoint_fenced", step=step, reason=str(err))
             self.last_error = str(err)
@@ -183,6 +188,23 @@ class Checkpointer:
                     f"{err}); checkpoint.give_up_after={format_duration(self.cfg.give_up_after)}"
                 )
 
+    def _standing_best(self, step: int, manifest_fields: dict[str, Any]) -> dict[str, Any]:
+        """`manifest_fields` naming a best checkpoint that stands: when the save of the best named failed
+        (storage errors; training went on), the best the store holds instead (checkpoint/best.py). The
+        previous save has finished by now (one at a time), so a best not in the store never will be."""
+        named = best_step(manifest_fields)
+        if named is None or named == step or self.store.exists(named):
+            return manifest_fields
+        standing = best_record(self.store)
+        self.log.warning(
+            "best_checkpoint_missing",
+            step=step,
+            best_step=named,
+            kept_step=None if standing is None else standing["step"],
+        )
+        fields = {key: value for key, value in manifest_fields.items() if key != "best"}
+        return fields if standing is None else {**fields, "best": standing}
+
     @property
     def fenced(self) -> bool:
         """A newer attempt has registered: this writer may never commit again."""
@@ -193,11 +215,13 @@ class Checkpointer:
         """The last save failed (a storage error): the caller may retry sooner than its timer says."""
         return self._failures > 0
 
-    def prune(self, keep: int) -> None:
-        """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays."""
+    def prune(self, keep: int, best: Set[int] = frozenset()) -> None:
+        """Delete checkpoints outside the rotation; `keep` (just committed and verified) always stays, and
+        so do the steps in `best` (the best checkpoint its manifest names)."""
         committed = self.store.list_steps()
         retained = retained_steps([c.step for c in committed], self.cfg.keep_last, self.cfg.keep_every_steps)
         retained.add(keep)
+        retained |= best
         for info in committed:
             if info.step in retained or info.step > keep:
                 continue

@@ -343,6 +343,7 @@ class CheckpointSession:
             "run": self.run_uuid,
             "config_hash": self.cfg.digest(),
             "versions": versions(),
+            **self.state.best.manifest_fields(self.state.step),  # its scores, and which one is the best
         }
 
     def _save_until_committed(self, files: dict[str, Any], reason: str, retry_for: timedelta) -> bool:

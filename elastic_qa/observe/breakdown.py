@@ -62,6 +62,11 @@ class StepTimer:
         self.totals[phase] += now - self._last
         self._last = now
 
+    def skip(self) -> None:
+        """Count the time since the last mark in no phase (an evaluation: reported under other)."""
+        if self._detailed:
+            self._last = time.perf_counter()
+
     def add_stall(self, seconds: float) -> None:
         self._stall += seconds
 

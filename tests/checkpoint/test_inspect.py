@@ -73,11 +73,12 @@ def test_ckpt_verify_list_and_show_from_the_command_line(checkpoints: Checkpoint
     code, out, err = finish(listing)
     assert code == 0, err
     header, *rows = [line.split() for line in out.splitlines()]
-    assert header == ["step", "epoch", "world", "size", "age", "verified"]
+    assert header == ["step", "epoch", "world", "size", "age", "f1", "em", "best", "verified"]
     by_step = {row[0]: row for row in rows}
     assert set(by_step) == {"10", "20", "30"}
-    assert by_step["10"][5] == "yes" and by_step["30"][5] == "yes"
-    assert by_step["20"][5] == "NO:" and "sha256" in " ".join(by_step["20"][6:])
+    assert by_step["10"][8] == "yes" and by_step["30"][8] == "yes"
+    assert by_step["20"][8] == "NO:" and "sha256" in " ".join(by_step["20"][9:])
+    assert by_step["30"][5:8] == ["-", "-", "-"]  # never evaluated, no keep_best
     assert by_step["30"][1:3] == ["3", "2"]  # epoch, world size
 
     code, out, err = finish(show)
