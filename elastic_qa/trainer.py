@@ -1,4 +1,4 @@
-"""The training loop: restore, then step / log / evaluate / checkpoint until max_steps, then finish.
+"""The training loop: restore, then step / log / evaluate / checkpoint until the end step, then finish.
 
     restore the newest valid checkpoint (or start fresh); register this attempt
     for each global batch from the cursor on:
@@ -49,6 +49,7 @@ from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.optim import build_optimizer, build_scheduler
+from elastic_qa.run_length import end_step
 from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
@@ -102,15 +103,17 @@ class Trainer:
         precision = cfg.train.precision
         self.autocast_dtype = autocast_dtype(precision, self.device)
         optimizer = build_optimizer(model, cfg)
+        end = end_step(cfg.train, len(data.train))  # a resume may keep its checkpoint's (TrainState)
         self.state = TrainState(
             cfg,
             ctx,
             self.model,
             optimizer,
-            build_scheduler(optimizer, cfg),
+            build_scheduler(optimizer, cfg, end),
             torch.amp.GradScaler("cuda") if precision == "fp16" else None,
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
             vocabulary=data.vocabulary,
+            end=end,
         )
         self.control = ControlPlane(
             ctx.is_main,
@@ -122,7 +125,7 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         self.session.on_stall = self.timer.add_stall
-        self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
+        self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
 
@@ -151,6 +154,7 @@ class Trainer:
     def restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
         self.session.restore()
+        self.console.total = self.state.end_step
 
     def register_attempt(self) -> int:
         attempt = self.session.register()
@@ -190,7 +194,7 @@ class Trainer:
             self.data.train,
             state.cursor,
             state.step + 1,
-            cfg.train.max_steps,
+            state.end_step,
             self.ctx.rank,
             self.ctx.world_size,
             cfg.data.num_workers,
@@ -200,7 +204,8 @@ class Trainer:
         self.log.info(
             "train_start",
             step=state.step,
-            max_steps=cfg.train.max_steps,
+            max_steps=state.end_step,
+            **({"epochs": cfg.train.epochs} if cfg.train.epochs else {}),
             train_windows=len(self.data.train),
             world_size=self.ctx.world_size,
         )
@@ -209,7 +214,7 @@ class Trainer:
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
-            while state.step < cfg.train.max_steps:
+            while state.step < state.end_step:
                 self.timer.start_step(state.step + 1)
                 batch = next(batches)
                 self.timer.mark("data")
@@ -285,14 +290,14 @@ class Trainer:
         return {"loss_sum": loss_sum, "count": len(batch["indices"]), "grad_norm": grad_norm}, decision
 
     def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
-        cfg, step = self.cfg, self.state.step
-        if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
+        cfg, step, end = self.cfg, self.state.step, self.state.end_step
+        if step % cfg.log.every_steps == 0 or step == end:
             self._log_step(batch, stats)
         due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
-        if due and not decision.stop and step < cfg.train.max_steps:
+        if due and not decision.stop and step < end:
             self.session.save(reason="periodic")
         self.timer.mark("log_and_save")
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
             self.run_eval()
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
