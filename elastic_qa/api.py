@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.config import Config, ConfigError, config_from_dict, resolve_config
+from elastic_qa.exits import UsageError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | Config
 # The launcher's lines kept to say why a job under agents failed.
@@ -137,17 +138,20 @@ def fit(
     if not isinstance(agents, int) or isinstance(agents, bool) or agents < 0:
         raise ValueError(f"agents={agents!r}: 0 (this process) or a number of torchrun agents >= 1")
     cfg = build_config(config, overrides, sections)
+    target = Path(export) if export is not None else None
+    if target is not None and target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UsageError(f"export={target}: not an empty directory (said before training, not after)")
     if agents == 0:
         step, metrics, stopped = _fit_here(cfg)
     else:
         step, metrics, stopped = _fit_with_agents(cfg, agents)
     checkpoint = _newest_checkpoint(cfg.checkpoint_dir)
     exported = None
-    if export is not None and not stopped and checkpoint is not None:
+    if target is not None and not stopped and checkpoint is not None:
         from elastic_qa.export import export_checkpoint
 
-        exported = Path(export)
-        export_checkpoint(checkpoint, exported)
+        export_checkpoint(checkpoint, target)
+        exported = target
     return FitResult(Path(cfg.run.dir), step, metrics, checkpoint, exported, stopped, cfg)
 
 
@@ -259,6 +263,8 @@ def predict(
     from elastic_qa.evaluate import answer_questions
 
     pairs = [_pair(i, item) for i, item in enumerate(questions)]
+    if not pairs:
+        return []
     loaded, device = _loaded(model)
     threshold = loaded.cfg.eval.null_threshold if null_threshold is None else null_threshold
     answers = []

@@ -21,6 +21,7 @@ from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, parse_override
 from elastic_qa.data.squad import DataError
+from elastic_qa.exits import UsageError
 from elastic_qa.export import EXPORT_FILE
 from elastic_qa.observe.follow import read_events
 from tests.conftest import FIXTURES
@@ -87,6 +88,11 @@ def test_fit_raises_bad_input_instead_of_exiting(tmp_path: Path, cache_dir: Path
         elastic_qa.fit("tiny", agents=-1, **sections)
     with pytest.raises(DataError, match="nonexistent"):
         elastic_qa.fit({"data": {"source": str(tmp_path / "nonexistent.json")}}, **sections)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"^export=.*taken: not an empty directory"):
+        elastic_qa.fit("tiny", export=tmp_path / "taken", **tiny(tmp_path / "run2", cache_dir))
+    assert not (tmp_path / "run2").exists()  # refused before training
 
 
 def test_predict_answers_as_ask_json_does(trained: Path, capsys: pytest.CaptureFixture) -> None:
