@@ -1,5 +1,6 @@
 """`elastic-qa`: the commands around training.
 
+    elastic-qa train [--config CFG] [overrides]        train in this one process (no torchrun)
     elastic-qa prepare [--config CFG] [--workers N] [overrides]   tokenise once into the memory-mapped cache
     elastic-qa config show [--config CFG] [overrides]   print the resolved config (YAML; for kind=hf, then
                                                         what differs from transformers' run_qa recipe)
@@ -15,9 +16,9 @@
                                                         this host's part of a multi-node job (torchrun)
 
 A checkpoint PATH is a run directory, its checkpoints directory (the newest valid checkpoint) or one
-step-N directory. Training itself: `launch/local.sh start` in a checkout (installed:
-`python -m elastic_qa.launcher.local start`), or `python -m elastic_qa.train` for one process.
-Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
+step-N directory. Elastic training: `launch/local.sh start` in a checkout (installed:
+`python -m elastic_qa.launcher.local start`); `elastic-qa train` is `python -m elastic_qa.train` (its exit
+codes: `elastic-qa train --help`). Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
 """
 
 # torch and the models are imported by the commands that use them: `prepare` and `config` start in a
@@ -41,7 +42,6 @@ from elastic_qa.data.cache import Featurizer, prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.squad import DataError, QAExample, read_squad
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
-from elastic_qa.metrics import best_thresholds, squad_v2_scores
 from elastic_qa.observe.log import configure_terminal_logging
 
 if TYPE_CHECKING:
@@ -90,10 +90,11 @@ def _write_json(path: Path, value: Any) -> None:
     staging.replace(path)
 
 
-def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[Sequence[QAExample], Features]:
+def eval_data(path: str | None, loaded: PredictionModel) -> tuple[Sequence[QAExample], Features]:
+    """The questions to evaluate on: a SQuAD file's, or (None) the evaluation split of the model's data."""
     cfg, family = loaded.cfg, loaded.family
-    if args.data:
-        examples, _ = read_squad(args.data, cfg.data.skip_malformed)
+    if path:
+        examples, _ = read_squad(path, cfg.data.skip_malformed)
         return examples, family.features(examples, cfg)
     data = prepare(cfg, family)
     if data.eval is None:
@@ -102,7 +103,7 @@ def _eval_data(args: argparse.Namespace, loaded: PredictionModel) -> tuple[Seque
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from elastic_qa.evaluate import predict
+    from elastic_qa.evaluate import squad_v2_evaluation
     from elastic_qa.export import load_for_prediction
     from elastic_qa.output_paths import refuse_managed_output
 
@@ -114,20 +115,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loaded = load_for_prediction(args.checkpoint, device)
     cfg = loaded.cfg
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
-    examples, features = _eval_data(args, loaded)
-    result = predict(
-        loaded.model, loaded.family, features, examples, cfg.train.eval_batch_size,
-        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
-    )  # fmt: skip
-    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
-    predictions, _ = result
-    golds = {e.id: [a.text for a in e.answers] for e in examples}
+    examples, features = eval_data(args.data, loaded)
+    scores, predictions = squad_v2_evaluation(loaded, examples, features, device, threshold)
     answers = {qid: p.answer for qid, p in predictions.items()}
     null_odds = {qid: p.null_odds for qid, p in predictions.items()}
-    scores = squad_v2_scores(answers, golds, cfg.eval.cjk_tokens)
-    # Searched over each question's best span: the answer it gets at any threshold above its null_odds.
-    spans = {qid: p.span for qid, p in predictions.items()}
-    scores.update(best_thresholds(spans, golds, null_odds, cfg.eval.cjk_tokens))
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "predictions.json", answers)
     _write_json(out / "null_odds.json", null_odds)
@@ -152,22 +143,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from elastic_qa.evaluate import predict
+    from elastic_qa.evaluate import answer_questions
     from elastic_qa.export import load_for_prediction
 
     device = _device()
     loaded = load_for_prediction(args.checkpoint, device)
     cfg = loaded.cfg
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
-    example = QAExample("ask", args.question, args.context, ())
-    features = loaded.family.features([example], cfg)
-    result = predict(
-        loaded.model, loaded.family, features, [example], cfg.train.eval_batch_size,
-        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=threshold,
-    )  # fmt: skip
-    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
-    predictions, _ = result
-    p = predictions["ask"]
+    [p] = answer_questions(loaded, [(args.question, args.context)], device, threshold)
     if args.json:
         answered = bool(p.answer)
         print(json.dumps({
@@ -232,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"elastic-qa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("train", help="train in this one process, without torchrun (python -m elastic_qa.train)")
     p = sub.add_parser("prepare", help="build the pre-tokenised feature cache")
     _config_arguments(p)
     p.add_argument(
@@ -308,6 +292,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # before argparse: its overrides and `--help` are the worker's own
+        from elastic_qa.train import main as train_main
+
+        return train_main(argv[1:], prog="elastic-qa train")
     if argv[:1] == ["bench"]:  # before argparse, which would take `bench --help` for itself
         from elastic_qa.bench.cli import main as bench_main
 

@@ -267,7 +267,11 @@ LR_SCHEDULE_BEFORE_THE_KEY = "cosine"
 class TrainConfig:
     max_steps: int = 600
     """Optimizer steps to train (steps count updates from 1); changed on resume, the LR schedule keeps its
-    position."""
+    position. 0: train.epochs sets the length."""
+    epochs: int = 0
+    """Passes over the training windows, instead of max_steps (which must then be 0; 0 here: off): resolved
+    once, at the run's first start, to epochs x ceil(training windows / global_batch_size) steps and recorded
+    in every checkpoint, so that no resize or restart moves the end."""
     global_batch_size: int = 32
     """Samples per optimizer step, whatever the world size; ranks split it (unevenly if need be)."""
     micro_batch_size: int = 32
@@ -303,7 +307,21 @@ class TrainConfig:
     """torch intra-op threads per process (0: CPU cores / processes on this host)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1")
+        _require(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 1 (0: train.epochs sets it)")
+        _require(self.epochs >= 0, "epochs", self.epochs, "must be >= 0 (0: train.max_steps sets the length)")
+        _require(
+            not (self.max_steps and self.epochs),
+            "epochs",
+            self.epochs,
+            f"train.max_steps={self.max_steps} sets the length too: set one "
+            "(train.max_steps=0 to train by epochs)",
+        )
+        _require(
+            bool(self.max_steps or self.epochs),
+            "max_steps",
+            self.max_steps,
+            "must be >= 1, unless train.epochs sets the length",
+        )
         _require(self.global_batch_size >= 1, "global_batch_size", self.global_batch_size, "must be >= 1")
         _require(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", self.lr, "must be a positive number")
@@ -663,6 +681,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+# Dotted overrides: `section.key=value` strings (command lines) or {"section.key": value} (the Python API).
+Overrides = typing.Sequence[str] | typing.Mapping[str, Any]
+
+
+def _apply_overrides(tree: dict, overrides: Overrides) -> None:
+    items = overrides.items() if isinstance(overrides, typing.Mapping) else map(parse_override, overrides)
+    for key, value in items:
+        if not isinstance(key, str) or not key.strip():
+            raise ConfigError(f"{key!r}: an override's key is a dotted name such as train.max_steps")
+        _set_dotted(tree, key.strip(), value)
+
+
 def _checked(cfg: Config, complete: bool) -> Config:
     unset = cfg.unset() if complete else None
     if unset:
@@ -671,7 +701,7 @@ def _checked(cfg: Config, complete: bool) -> Config:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, complete: bool = True
+    path: str | Path | None = None, overrides: Overrides = (), *, complete: bool = True
 ) -> Config:
     """Read a YAML config (default: the packaged one), apply dotted overrides, validate everything;
     `complete=False` lets a config through that leaves a needed setting empty (Config.unset)."""
@@ -688,13 +718,11 @@ def load_config(
         raise ConfigError(f"config file {source}{where}: not valid YAML") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {source}: expected a mapping of sections at the top level")
-    for text_override in overrides:
-        key, value = parse_override(text_override)
-        _set_dotted(tree, key, value)
+    _apply_overrides(tree, overrides)
     return _checked(_build(Config, tree, ""), complete)
 
 
-def resolve_config(name: str, overrides: typing.Sequence[str] = (), *, complete: bool = True) -> Config:
+def resolve_config(name: str, overrides: Overrides = (), *, complete: bool = True) -> Config:
     """`--config NAME`: a YAML file, or the name of a packaged config (default, squad, tiny, hf-tiny,
     hf-base), + overrides; `complete` as for load_config."""
     path = Path(name)
@@ -705,12 +733,10 @@ def resolve_config(name: str, overrides: typing.Sequence[str] = (), *, complete:
     return load_config(path, overrides, complete=complete)
 
 
-def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+def config_from_dict(tree: dict[str, Any], overrides: Overrides = ()) -> Config:
     """A Config from a plain dict (e.g. the resolved config stored in a checkpoint), validated."""
     tree = copy.deepcopy(tree)
-    for text_override in overrides:
-        key, value = parse_override(text_override)
-        _set_dotted(tree, key, value)
+    _apply_overrides(tree, overrides)
     return _checked(_build(Config, tree, ""), complete=True)
 
 

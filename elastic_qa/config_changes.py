@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_qa.config import LR_SCHEDULE_BEFORE_THE_KEY, Config
+from elastic_qa.run_length import end_step, length_text
 
 # model.* fields that do not change what the weights are; every other model field is a shape.
 _MODEL_NOT_SHAPE = frozenset({"model.dropout", "model.grad_checkpointing"})
@@ -35,6 +36,8 @@ _NEW_DATA = (
 EFFECTS: dict[str, str] = {
     "train.max_steps": f"{_SCHEDULE} it decays to train.min_lr_ratio x lr at the new train.max_steps "
     "(constant: stays there)",
+    "train.epochs": "the end is resolved anew: train.epochs x ceil(training windows / global_batch_size) "
+    f"steps from the run's start; {_SCHEDULE} it decays to train.min_lr_ratio x lr at that step",
     "train.lr_schedule": f"{_SCHEDULE} it follows the new shape to train.min_lr_ratio x lr at "
     "train.max_steps (constant: stays there)",
     "train.warmup_steps": "counts only while still warming up; past warm-up the decay goes on unchanged",
@@ -127,9 +130,10 @@ def suspicious_settings(cfg: Config, train_windows: int) -> list[str]:
     """Valid settings that are very likely mistakes, one sentence each (warned about once at start)."""
     train = cfg.train
     found = []
-    if train.warmup_steps >= train.max_steps:
+    end = end_step(train, train_windows)
+    if train.warmup_steps >= end:
         found.append(
-            f"train.warmup_steps={train.warmup_steps} >= train.max_steps={train.max_steps}: the run ends "
+            f"train.warmup_steps={train.warmup_steps} >= {length_text(train, end)}: the run ends "
             "before warm-up does, so the learning rate never reaches train.lr"
         )
     if train.global_batch_size > train_windows:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,8 +21,11 @@ from elastic_qa.data.cursor import rank_slice
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
 from elastic_qa.data.squad import QAExample
-from elastic_qa.metrics import squad_scores
+from elastic_qa.metrics import best_thresholds, squad_scores, squad_v2_scores
 from elastic_qa.models import ModelFamily, model_inputs
+
+if TYPE_CHECKING:
+    from elastic_qa.export import PredictionModel
 
 
 @dataclass(frozen=True)
@@ -243,3 +247,50 @@ def evaluate(
     scores = squad_scores({qid: p.answer for qid, p in predictions.items()}, golds, cjk)
     scores["loss"] = loss
     return scores
+
+
+def answer_questions(
+    loaded: PredictionModel,
+    pairs: Sequence[tuple[str, str]],
+    device: torch.device,
+    null_threshold: float,
+) -> list[Prediction]:
+    """Each (question, context)'s prediction by a loaded model, in order: one pass over all their windows,
+    eval_batch_size at a time (`elastic-qa ask`, the Python API's predict)."""
+    cfg = loaded.cfg
+    examples = [QAExample(str(i), question, context) for i, (question, context) in enumerate(pairs)]
+    features = loaded.family.features(examples, cfg)
+    result = predict(
+        loaded.model, loaded.family, features, examples, cfg.train.eval_batch_size,
+        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=null_threshold,
+    )  # fmt: skip
+    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
+    predictions, _ = result
+    return [predictions[example.id] for example in examples]
+
+
+def squad_v2_evaluation(
+    loaded: PredictionModel,
+    examples: Sequence[QAExample],
+    features: Features,
+    device: torch.device,
+    null_threshold: float,
+) -> tuple[dict[str, Any], dict[str, Prediction]]:
+    """The official SQuAD v2 scores of a loaded model (percentages: exact, f1, total, by HasAns and
+    NoAns, and the best null thresholds) and every question's prediction (`elastic-qa eval`, the Python
+    API's evaluate)."""
+    cfg = loaded.cfg
+    result = predict(
+        loaded.model, loaded.family, features, examples, cfg.train.eval_batch_size,
+        cfg.data.max_answer_len, device, n_best=cfg.eval.n_best, null_threshold=null_threshold,
+    )  # fmt: skip
+    assert result is not None  # None only on ranks other than 0 of a process group; this is one process
+    predictions, _ = result
+    golds = {e.id: [a.text for a in e.answers] for e in examples}
+    answers = {qid: p.answer for qid, p in predictions.items()}
+    scores: dict[str, Any] = dict(squad_v2_scores(answers, golds, cfg.eval.cjk_tokens))
+    # Searched over each question's best span: the answer it gets at any threshold above its null_odds.
+    spans = {qid: p.span for qid, p in predictions.items()}
+    null_odds = {qid: p.null_odds for qid, p in predictions.items()}
+    scores.update(best_thresholds(spans, golds, null_odds, cfg.eval.cjk_tokens))
+    return scores, predictions

@@ -109,21 +109,30 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
         return torch.optim.AdamW(groups, lr=cfg.train.peak_lr, foreach=True)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of `cfg`, ending at `total_steps` (default train.max_steps; run_length.end_step)."""
     train = cfg.train
+    total = train.max_steps if total_steps is None else total_steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, LRSchedule(train.warmup_steps, train.max_steps, train.min_lr_ratio, train.lr_schedule)
+        optimizer, LRSchedule(train.warmup_steps, total, train.min_lr_ratio, train.lr_schedule)
     )
 
 
 def retarget_schedule(
-    scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: Config, saved_state: dict, saved_train: dict
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: Config,
+    saved_state: dict,
+    saved_train: dict,
+    total_steps: int | None = None,
 ) -> None:
-    """After `scheduler.load_state_dict(saved_state)`: aim its schedule at this config's settings, keeping
-    its position. A checkpoint written before the schedule kept its settings (its `lr_lambdas` are None)
-    was trained with those of its stored config, `saved_train`; one written before it kept its kind (no
-    `kind` among them) was cosine."""
+    """After `scheduler.load_state_dict(saved_state)`: aim its schedule at this config's settings and at
+    `total_steps` (default train.max_steps), keeping its position. A checkpoint written before the schedule
+    kept its settings (its `lr_lambdas` are None) was trained with those of its stored config,
+    `saved_train`; one written before it kept its kind (no `kind` among them) was cosine."""
     train = cfg.train
+    total = train.max_steps if total_steps is None else total_steps
     kept = [entry for entry in saved_state.get("lr_lambdas", ()) if entry is not None]
     for schedule in {id(f): f for f in scheduler.lr_lambdas}.values():
         if not isinstance(schedule, LRSchedule):
@@ -136,5 +145,5 @@ def retarget_schedule(
             schedule.total_steps = int(saved_train.get("max_steps", schedule.total_steps))
             schedule.min_ratio = float(saved_train.get("min_lr_ratio", schedule.min_ratio))
         schedule.retarget(
-            scheduler.last_epoch, train.warmup_steps, train.max_steps, train.min_lr_ratio, train.lr_schedule
+            scheduler.last_epoch, train.warmup_steps, total, train.min_lr_ratio, train.lr_schedule
         )

@@ -10,6 +10,7 @@
                    "saved_by": world_size, global_batch_size, attempt (facts about the save, never restored),
                    "best":     the best evaluation so far and the early-stop count (checkpoint/best.py;
                                absent in checkpoints written before it existed),
+                   "length":   the epochs asked for and the step they resolved to (run_length.py),
                    "config", "versions",
                    "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise)}
 
@@ -39,6 +40,7 @@ from elastic_qa.config import Config
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.dist import DistContext, all_gather_bytes, unwrap
 from elastic_qa.optim import retarget_schedule
+from elastic_qa.run_length import end_step, length_record
 
 STATE_FORMAT = 2
 
@@ -73,8 +75,12 @@ class TrainState:
         scaler: torch.amp.GradScaler | None,
         cursor: GlobalCursor,
         vocabulary: str | None = None,
+        end: int | None = None,
     ) -> None:
         self.cfg, self.ctx = cfg, ctx
+        # The step training ends at (run_length.end_step; default train.max_steps); a resume may keep the
+        # one its checkpoint recorded.
+        self.end_step = cfg.train.max_steps if end is None else end
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.cursor = cursor
         self.vocabulary = vocabulary  # the tokenizer's, when it has one of its own (PreparedData.vocabulary)
@@ -103,6 +109,7 @@ class TrainState:
                 "global_batch_size": self.cfg.train.global_batch_size,
                 "attempt": attempt,
             },
+            "length": length_record(self.cfg.train, self.end_step),
             "config": self.cfg.to_dict(),
             "versions": versions(),
             "best": self.best.state_dict(),
@@ -139,7 +146,8 @@ class TrainState:
         self.scheduler.load_state_dict(trainer["lr_scheduler"])
         # Another shape, max_steps, warm-up or floor re-aims the schedule from where it stands (optim.py).
         saved_train = trainer["config"].get("train", {}) if isinstance(trainer["config"], dict) else {}
-        retarget_schedule(self.scheduler, self.cfg, trainer["lr_scheduler"], saved_train)
+        self.end_step = end_step(self.cfg.train, self.cursor.num_samples, trainer.get("length"))
+        retarget_schedule(self.scheduler, self.cfg, trainer["lr_scheduler"], saved_train, self.end_step)
         if self.scaler is not None and trainer["grad_scaler"]:
             self.scaler.load_state_dict(trainer["grad_scaler"])
         # An explicit lr (the config may have changed it) wins over the saved base lr.

@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
@@ -36,9 +37,9 @@ from elastic_qa.state import ResumeError
 from elastic_qa.trainer import Trainer
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m elastic_qa.train") -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m elastic_qa.train",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -60,31 +61,58 @@ def write_resolved_config(cfg: Config) -> None:
     staging.replace(target)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m elastic_qa.train") -> int:
+    args = parse_args(argv, prog)
     try:
         cfg = resolve_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"elastic-qa: config error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    stop = StopRequest()  # set by a signal (once the loop runs) or by the watchdog
+    try:
+        result = run(cfg, stop)
+    except (RunHeldError, DataError, ResumeError, ConfigError) as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except PeerFailure:
+        return 1  # logged as peer_failure: failure_reason's line
+    except (CheckpointError, FinalStateError) as err:
+        print_safely(f"elastic-qa: {err}", sys.stderr)
+        return 1
+    except OSError as err:
+        if err.errno not in _UNWRITABLE:
+            raise
+        print(f"elastic-qa: cannot write {err.filename or 'the run'}: {_reason(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if result["stopped"]:
+        return stopped_exit_code(stop, result["agent_lost"])
+    return 0
+
+
+def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
+    """Train `cfg` in this process, under torchrun or alone, until its end or a stop: the trainer's result
+    ({"stopped", "step", and the final evaluation's "em", "f1" ...}) and "agent_lost".
+
+    Raises what `main` turns into exit codes: RunHeldError, DataError, ResumeError, ConfigError (bad input),
+    PeerFailure, CheckpointError, FinalStateError, an OSError of a path that cannot be written; each logged
+    first, once logging is set up.
+    """
+    stop = stop or StopRequest()
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
     try:  # before this start writes anything into the run (its logs): a live job must not see it
         RunHold(cfg.checkpoint_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.run.dir).check()
-    except RunHeldError as err:
-        print(f"elastic-qa: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except RunHeldError:
+        raise
     except Exception:  # noqa: BLE001 - storage trouble: the hold taken at registration decides
         pass
-    stop = StopRequest()  # set by a signal (once the loop runs) or by the watchdog
     watchdog = AgentWatchdog(
         cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
     )
     try:
         configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level, fault_file=cfg.debug.log_fault_file)
     except OSError as err:
-        print(f"elastic-qa: run.dir={cfg.run.dir}: cannot create its logs ({_reason(err)})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise ConfigError(f"run.dir={cfg.run.dir}: cannot create its logs ({_reason(err)})") from None
     log = get_logger()
     try:
         # Before the process group: a long first build cannot time it out.
@@ -111,31 +139,25 @@ def main(argv: list[str] | None = None) -> int:
             if _restart_count() == 0:  # once the start is accepted: a refused start says only why
                 warn_suspicious(cfg, len(data.train))
         result = trainer.train()
-        if result["stopped"]:
-            return stopped_exit_code(stop, watchdog.lost)
-        if ctx.is_main and "em" in result:  # stdout may be a closed pipe or a dead terminal by now
+        if not result["stopped"] and ctx.is_main and "em" in result:  # stdout may be a closed pipe by now
             print_safely(f"final: step {result['step']}  {em_f1_text(result['em'], result['f1'])}")
-        return 0
+        return {**result, "agent_lost": watchdog.lost}
     except RunHeldError as err:  # not bad_input: the live job's launcher must not count it as its own
         log.warning("run_held", error=str(err))
-        print(f"elastic-qa: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise
     except (DataError, ResumeError, ConfigError) as err:
         log.error("bad_input", error=str(err))
-        print(f"elastic-qa: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise
     except PeerFailure as err:
         log.error("peer_failure", error=str(err))  # failure_reason's line
-        return 1
+        raise
     except (CheckpointError, FinalStateError) as err:
         log.error("checkpoint_fatal", error=str(err))
-        print_safely(f"elastic-qa: {err}", sys.stderr)
-        return 1
+        raise
     except Exception as err:
         if isinstance(err, OSError) and err.errno in _UNWRITABLE:  # e.g. a read-only checkpoint.dir
             log.error("bad_input", error=str(err))
-            print(f"elastic-qa: cannot write {err.filename or 'the run'}: {_reason(err)}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise
         # Logged so that a launcher can tell a crash loop (the same error every attempt) from bad luck.
         log.error(
             "worker_crash",

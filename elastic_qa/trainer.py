@@ -1,4 +1,4 @@
-"""The training loop: restore, then step / log / evaluate / checkpoint until max_steps, then finish.
+"""The training loop: restore, then step / log / evaluate / checkpoint until the end step, then finish.
 
     restore the newest valid checkpoint (or start fresh); register this attempt
     for each global batch from the cursor on:
@@ -50,6 +50,7 @@ from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.optim import build_optimizer, build_scheduler
+from elastic_qa.run_length import end_step
 from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
@@ -103,15 +104,17 @@ class Trainer:
         precision = cfg.train.precision
         self.autocast_dtype = autocast_dtype(precision, self.device)
         optimizer = build_optimizer(model, cfg)
+        end = end_step(cfg.train, len(data.train))  # a resume may keep its checkpoint's (TrainState)
         self.state = TrainState(
             cfg,
             ctx,
             self.model,
             optimizer,
-            build_scheduler(optimizer, cfg),
+            build_scheduler(optimizer, cfg, end),
             torch.amp.GradScaler("cuda") if precision == "fp16" else None,
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
             vocabulary=data.vocabulary,
+            end=end,
         )
         self.control = ControlPlane(
             ctx.is_main,
@@ -123,7 +126,7 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         self.session.on_stall = self.timer.add_stall
-        self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
+        self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
 
@@ -152,6 +155,7 @@ class Trainer:
     def restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
         self.session.restore()
+        self.console.total = self.state.end_step
 
     def register_attempt(self) -> int:
         attempt = self.session.register()
@@ -191,7 +195,7 @@ class Trainer:
             self.data.train,
             state.cursor,
             state.step + 1,
-            cfg.train.max_steps,
+            state.end_step,
             self.ctx.rank,
             self.ctx.world_size,
             cfg.data.num_workers,
@@ -201,7 +205,8 @@ class Trainer:
         self.log.info(
             "train_start",
             step=state.step,
-            max_steps=cfg.train.max_steps,
+            max_steps=state.end_step,
+            **({"epochs": cfg.train.epochs} if cfg.train.epochs else {}),
             train_windows=len(self.data.train),
             world_size=self.ctx.world_size,
         )
@@ -210,7 +215,7 @@ class Trainer:
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
-            while state.step < cfg.train.max_steps and not state.best.exhausted:
+            while state.step < state.end_step and not state.best.exhausted:
                 self.timer.start_step(state.step + 1)
                 batch = next(batches)
                 self.timer.mark("data")
@@ -286,22 +291,17 @@ class Trainer:
         return {"loss_sum": loss_sum, "count": len(batch["indices"]), "grad_norm": grad_norm}, decision
 
     def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
-        cfg, step = self.cfg, self.state.step
-        if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
+        cfg, step, end = self.cfg, self.state.step, self.state.end_step
+        if step % cfg.log.every_steps == 0 or step == end:
             self._log_step(batch, stats)
         self.timer.mark("log_and_save")
         new_best = False
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
             new_best = self.run_eval() is not None and self.state.best.step == step
             self.timer.skip()  # evaluation is no part of the step's phases
         due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
         # An early stop commits this step as the final checkpoint instead (_finish).
-        if (
-            (due or new_best)
-            and not decision.stop
-            and step < cfg.train.max_steps
-            and not self.state.best.exhausted
-        ):
+        if (due or new_best) and not decision.stop and step < end and not self.state.best.exhausted:
             self.session.save(reason="best" if new_best else "periodic")
         self.timer.mark("log_and_save")
         self.timer.finish_step(
@@ -391,7 +391,7 @@ class Trainer:
         best, step = self.state.best, self.state.step
         if best.observe(step, scores) and self.ctx.is_main:
             self.log.info("eval_best", step=step, metric=best.metric, value=round(scores[best.metric], 4))
-        if best.exhausted and self.ctx.is_main and step < self.cfg.train.max_steps:  # else: the end anyway
+        if best.exhausted and self.ctx.is_main and step < self.state.end_step:  # else: the end anyway
             self._log_early_stop()
 
     def _log_early_stop(self) -> None:
@@ -425,7 +425,7 @@ class Trainer:
         """Final evaluation and checkpoint. Done only once the final state is committed and verified."""
         self.control.enter(Phase.DONE)
         step = self.state.step
-        early = self.state.best.exhausted and step < self.cfg.train.max_steps
+        early = self.state.best.exhausted and step < self.state.end_step
         if early and self.ctx.is_main and self.session.resumed_step == step:
             self._log_early_stop()  # resumed from an early stop: its final checkpoint stands
         # Evaluated at this step already (an early stop): the same state scores the same.

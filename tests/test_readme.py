@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from elastic_qa.config import Config, _to_plain
 from tests.conftest import REPO
@@ -67,3 +71,26 @@ def test_every_link_of_the_readme_and_docs_reaches_a_file_or_heading_of_the_repo
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_the_readme_python_api_example_runs(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The notebook example after the quick start, as written, on a short run (4 steps, shared cache)."""
+    from elastic_qa import api
+
+    quick_start = (REPO / "README.md").read_text().split("## Contents", 1)[0]
+    [example] = re.findall(r"```python\n(.*?)```", quick_start, flags=re.DOTALL)
+    as_written = api.build_config
+    short = {"train.max_steps": 4, "data.cache_dir": str(cache_dir), "log.console": "none"}
+
+    def shortened(*args: Any, **kwargs: Any) -> Config:
+        return as_written(as_written(*args, **kwargs), short)
+
+    monkeypatch.setattr(api, "build_config", shortened)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md", "exec"), {})  # the README's own code
+    printed = capsys.readouterr().out.splitlines()
+    checkpoint = tmp_path / "runs" / "notebook" / "checkpoints" / "step-00000004"
+    assert printed[-2].startswith("4 ") and printed[-2].endswith(str(checkpoint))
+    assert checkpoint.is_dir()

@@ -76,6 +76,7 @@ def test_the_data_position_is_stored_once() -> None:
         "counters",
         "rng",
         "saved_by",
+        "length",
         "config",
         "versions",
         "best",

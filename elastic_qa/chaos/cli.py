@@ -32,6 +32,8 @@ def _schedule(args: argparse.Namespace, cfg: Config) -> tuple[list[Fault], dict[
     """The faults, and the overrides that fit the job to a random schedule (none for explicit ones)."""
     if args.fault and args.faults:
         raise ValueError("give either --fault ... or --faults N, not both")
+    if cfg.train.epochs:  # faults, the verdict and the reference run count steps: the job must too
+        raise ValueError(f"train.epochs={cfg.train.epochs}: chaos runs take a train.max_steps, not epochs")
     if args.gone_mean_interval or args.gone_first_at:
         raise ValueError(
             "--mean-interval/--first-at are gone: random faults fire by step, one per slice of "

@@ -49,6 +49,7 @@ from elastic_qa.dist import DistContext, all_gather_bytes
 from elastic_qa.elastic.fencing import Fence
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
+from elastic_qa.run_length import end_step, length_text
 from elastic_qa.state import ResumeError, TrainState, gather_rng_states
 
 _MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
@@ -151,12 +152,14 @@ class CheckpointSession:
             raise ResumeError(
                 f"checkpoint.require_resume=true but {self.store.url} holds no valid checkpoint"
             )
-        if loaded is not None:
-            self._check_config(loaded)
-        if loaded is not None and loaded.step > cfg.train.max_steps:
+        if loaded is None:
+            return None
+        self._check_config(loaded)
+        end = end_step(cfg.train, self.state.cursor.num_samples, loaded.trainer.get("length"))
+        if loaded.step > end:
             raise ResumeError(
                 f"checkpoint {self.store.display(loaded.path)} is at step {loaded.step}, past "
-                f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
+                f"{length_text(cfg.train, end)}: nothing to train (raise it to continue)"
             )
         return loaded
 

@@ -46,6 +46,10 @@ class StopRequest:
         self._save_done.set()
 
     def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        """Take the stop signals (until `uninstall`). Only the main thread may: run from another thread
+        (the Python API under a web server, a notebook's background thread) only `request` stops."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         # Python starts with SIGPIPE ignored (a write to a closed pipe raises EPIPE, which the console and
         # the log writer drop); make sure no library has put back the default, which kills silently.
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)

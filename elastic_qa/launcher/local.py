@@ -51,6 +51,7 @@ from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safel
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
+from elastic_qa.run_length import end_step, length_text
 
 LOOPBACK = "127.0.0.1"
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
@@ -203,10 +204,11 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
         saved_windows = (trainer.get("data") or {}).get("num_samples")
         if problem is None and isinstance(saved_windows, int):
             problem = data_refusal(changes, saved_windows, len(data.train), where)
-        if step > cfg.train.max_steps:
+        end = end_step(cfg.train, len(data.train), trainer.get("length"))
+        if step > end:
             problem = (
                 f"the newest checkpoint in {cfg.checkpoint_dir} is at step {step}, past "
-                f"train.max_steps={cfg.train.max_steps}: nothing to train (raise train.max_steps to continue)"
+                f"{length_text(cfg.train, end)}: nothing to train (raise it to continue)"
             )
         if problem:
             print(f"elastic-qa: {problem}", file=sys.stderr)
@@ -356,16 +358,21 @@ def say(text: str) -> None:
     print_safely(text)
 
 
-def print_result(run_dir: Path, since: float = 0.0) -> bool:
-    """The final EM/F1 as rank 0 logged it, if the job (this launch of it) reached its end."""
+def train_done(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
+    """Rank 0's `train_done` event of this launch of the job (logged at or after `since`), or None."""
     done = [
         row
         for row in read_events(run_dir)
         if row["event"] == "train_done" and row.get("ts", 0.0) >= since and row.get("rank", 0) == 0
     ]
-    if not done:
+    return done[-1] if done else None
+
+
+def print_result(run_dir: Path, since: float = 0.0) -> bool:
+    """The final EM/F1 as rank 0 logged it, if the job (this launch of it) reached its end."""
+    last = train_done(run_dir, since)
+    if last is None:
         return False
-    last = done[-1]
     scores = f"  {em_f1_text(last['em'], last['f1'])}" if "em" in last else ""
     say(f"result: step {last['step']}{scores}  ({run_dir})")
     return True

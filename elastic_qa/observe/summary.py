@@ -119,7 +119,10 @@ def key_config(config: dict[str, Any]) -> list[tuple[str, str]]:
         kind = str(model.get("kind", ""))
         rows.append(("model", f"{kind} ({shape})" if kind and shape else kind or shape))
     if train:
-        rows.append(("max steps", str(train.get("max_steps", "?"))))
+        if train.get("epochs"):  # train.max_steps is 0 then: the steps are in train_start (run_length.py)
+            rows.append(("epochs", str(train["epochs"])))
+        else:
+            rows.append(("max steps", str(train.get("max_steps", "?"))))
         rows.append(
             (
                 "batch",
