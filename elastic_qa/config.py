@@ -112,8 +112,9 @@ def question_tokens(max_seq_len: int, max_query_len: int, doc_stride: int, speci
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """`synthetic`, or SQuAD v1.1/v2.0 JSON or JSON Lines files: paths or fsspec URLs, comma-separated,
-    globs allowed."""
+    """`synthetic`, or SQuAD v1.1/v2.0 JSON, JSON Lines, Parquet or Arrow files (paths or fsspec URLs, globs
+    allowed), `datasets` save_to_disk directories (`DIR`, `DIR:SPLIT`) or hub datasets
+    (`hub:NAME[:CONFIG]:SPLIT`), comma-separated (docs/data.md)."""
     eval_source: str = ""
     """Files for evaluation, as `source`; empty: the synthetic held-out split (or no eval for files)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

@@ -1,7 +1,8 @@
 """prepare: building the feature cache at growing sizes, with 1 and 2 tokenising workers.
 
 For each size a SQuAD v2.0-shaped training file (the synthetic generator's facts, contexts of about 120
-words, five questions each) and an evaluation file a tenth of its size are written as streams. Each
+words, five questions each) and an evaluation file a tenth of its size are written as streams: SQuAD JSON,
+or with `--format parquet` the hub's squad_v2 rows in Parquet row groups of 10,000 (pyarrow). Each
 build is `elastic-qa prepare --workers N` in a fresh process and cache directory, timed from Popen to
 exit; its peak memory is the sum of the resident sets of the whole process tree (the command and its
 workers), sampled every 50 ms from /proc (pages shared after fork count once per process: an upper
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int_list, default=[1, 2], help="tokenising workers (default 1,2)")
     parser.add_argument(
+        "--format", choices=["json", "parquet"], default="json", help="input files (default json: SQuAD JSON)"
+    )
+    parser.add_argument(
         "--start-reps", type=positive_int, default=3, help="first-step timings per size (default 3)"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one build or start may take")
@@ -199,7 +203,7 @@ def _builds(args: argparse.Namespace, work: Path, size: int) -> tuple[dict[str, 
     overrides and the one cache kept for the start runs."""
     data = work / f"data-{size}"
     data.mkdir(parents=True, exist_ok=True)
-    train, dev = data / "train.json", data / "dev.json"
+    train, dev = data / f"train.{args.format}", data / f"dev.{args.format}"
     print(f"[prepare] writing {size:,} + {max(1, size // 10):,} questions ...", flush=True)
     started = time.perf_counter()
     questions = write_squad_file(str(train), size, seed=1)
@@ -331,6 +335,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "start_overrides": START_OVERRIDES,
             "sizes": args.sizes,
             "workers": args.workers,
+            "format": args.format,
             "load_average": os.getloadavg(),
             "cpus": os.cpu_count(),
         },
@@ -355,7 +360,7 @@ def _goals(results: dict[str, Any], workers: list[int]) -> None:
         small, large = results[sizes[0]], results[sizes[-1]]
         w = workers[0]
         scale = large["questions"] / small["questions"]
-        for figure in ("seconds", "cpu_seconds"):
+        for figure in ("seconds", "cpu_seconds", "peak_rss_bytes"):
             growth = large["workers"][w][figure]["median"] / small["workers"][w][figure]["median"]
             print(
                 f"{figure} {sizes[-1]} / {sizes[0]} questions ({w} worker): {growth:.1f}x "

@@ -36,6 +36,7 @@ from elastic_qa.data.features import BuiltinFeaturizer, Features
 from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish, read_holder
 from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
 from elastic_qa.data.squad import DataError, QAExample
+from elastic_qa.data.tables import hub_identity, is_hub
 from elastic_qa.data.tokenizer import Tokenizer
 from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.observe.log import get_logger
@@ -133,8 +134,11 @@ def content_hash(url: str, root: Path) -> str:
     """sha256 of a file's bytes, remembered per (url, the filesystem's ukey: size+mtime, or an ETag).
 
     Every worker (re)start asks for the cache key; without this index a restart would read the whole
-    input again, from S3 if that is where it lives, just to find the cache it already has.
+    input again, from S3 if that is where it lives, just to find the cache it already has. A hub dataset
+    is known by the hub's revision of it instead (a local directory, by its files' digests).
     """
+    if is_hub(url):
+        return hub_identity(url, file_digest)
     index_path = root / "content-hashes.json"
     try:
         fs, path = fsspec.core.url_to_fs(url)

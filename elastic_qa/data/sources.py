@@ -1,14 +1,17 @@
-"""A data source: one or several files (paths or fsspec URLs, globs), SQuAD JSON or JSON Lines, read as a
+"""A data source: files (paths or fsspec URLs, globs), `datasets` directories or hub datasets, read as a
 stream of chunks of raw records that any process can turn into validated examples.
 
 `data.source` is a comma-separated list; each entry may be a glob (its matches in sorted order). A file
 whose name ends in `.jsonl` or `.ndjson` (optionally compressed, e.g. `.jsonl.gz`) holds one question a
-line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; any other
-file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time (data.stream). Compression is inferred from
-the name. Question ids are unique over all files of a source.
+line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; a
+`.parquet`, `.arrow` or `.feather` file holds SQuAD-schema rows (data.tables), as do a `datasets`
+save_to_disk directory (`DIR`, or `DIR:SPLIT` for a DatasetDict) and a hub dataset (`hub:NAME:SPLIT`,
+`hub:NAME:CONFIG:SPLIT`); any other file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time
+(data.stream). Compression is inferred from the name. Question ids are unique over all files of a source.
 
-The reading process only cuts the files into chunks (paragraphs' JSON text, or lines); validating them
-(`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on the input only.
+The reading process only cuts the input into chunks (paragraphs' JSON text, lines, record batches);
+validating them (`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on
+the input only.
 """
 
 from __future__ import annotations
@@ -36,20 +39,35 @@ from elastic_qa.data.squad import (
     warn_skipped,
 )
 from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
+from elastic_qa.data.tables import (
+    hub_rows,
+    ipc_rows,
+    is_hub,
+    is_table,
+    read_errors,
+    record_batches,
+    row_example,
+    saved_dataset_files,
+    to_ipc,
+)
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 CHUNK_CHARS = 64 * 1024  # SQuAD paragraphs' text per chunk (about 200 questions)
-CHUNK_LINES = 256  # JSON Lines per chunk
+CHUNK_LINES = 256  # JSON Lines (or table rows) per chunk
 
 
 def source_urls(source: str) -> list[str]:
-    """The files of a source, in order: comma-separated entries, a glob's matches sorted."""
+    """The files of a source, in order: comma-separated entries, a glob's matches sorted, a save_to_disk
+    directory's Arrow files; a hub dataset stays one `hub:` entry."""
     urls: list[str] = []
     for entry in (part.strip() for part in source.split(",")):
         if not entry:
             continue
-        if not glob.has_magic(entry):
+        if is_hub(entry):
             urls.append(entry)
+            continue
+        if not glob.has_magic(entry):
+            urls += saved_dataset_files(entry) or [entry]
             continue
         try:
             fs, pattern = fsspec.core.url_to_fs(entry)
@@ -101,10 +119,11 @@ def file_digest(url: str) -> str:
 @dataclass
 class Chunk:
     """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from data.stream;
-    JSON Lines: (line number, bytes); "examples": ready QAExamples (the synthetic generator)."""
+    JSON Lines: (line number, bytes); "table": (first row number, Arrow IPC bytes), one pair; "rows":
+    (row number, dict); "examples": ready QAExamples (the synthetic generator)."""
 
     url: str
-    kind: str  # "squad" | "jsonl" | "examples"
+    kind: str  # "squad" | "jsonl" | "table" | "rows" | "examples"
     records: list
     error: str | None = None  # the file stopped being readable after these records (raised in order)
 
@@ -121,8 +140,14 @@ class Parsed:
 
 
 def chunks(url: str) -> Iterator[Chunk]:
-    """One file's records, cut into chunks."""
+    """One file's (or hub dataset's) records, cut into chunks."""
+    if is_hub(url):
+        yield from _hub_chunks(url)
+        return
     with open_source(url) as handle:
+        if is_table(url):
+            yield from _table_chunks(url, handle)
+            return
         if is_jsonl(url):
             lines: list[tuple[int, bytes]] = []
             for number, line in enumerate(handle, start=1):
@@ -149,6 +174,41 @@ def chunks(url: str) -> Iterator[Chunk]:
             yield Chunk(url, "squad", paragraphs)
 
 
+def _table_chunks(url: str, handle: IO[bytes]) -> Iterator[Chunk]:
+    """A Parquet/Arrow file's rows, CHUNK_LINES a chunk; an unreadable file ends in an error chunk."""
+    first = 0
+    batches = record_batches(url, handle, CHUNK_LINES)
+    try:
+        for batch in batches:
+            yield Chunk(url, "table", [(first, to_ipc(batch))])
+            first += batch.num_rows
+    except DataError:  # pyarrow is not installed
+        raise
+    except read_errors() as err:
+        kind = "Parquet" if url.lower().endswith(".parquet") else "Arrow"
+        yield Chunk(url, "table", [], f"{url}: not a readable {kind} file after row {first} ({err})")
+
+
+def _hub_chunks(entry: str) -> Iterator[Chunk]:
+    rows: list[tuple[int, dict]] = []
+    for number, row in enumerate(hub_rows(entry)):
+        rows.append((number, row))
+        if len(rows) == CHUNK_LINES:
+            yield Chunk(entry, "rows", rows)
+            rows = []
+    if rows:
+        yield Chunk(entry, "rows", rows)
+
+
+def _rows(chunk: Chunk) -> Iterator[tuple[int, Any]]:
+    """(row number, row) of a "table" or "rows" chunk."""
+    if chunk.kind == "rows":
+        yield from chunk.records
+        return
+    for first, data in chunk.records:
+        yield from enumerate(ipc_rows(data), start=first)
+
+
 def parse_chunk(chunk: Chunk, skip_malformed: bool) -> Parsed:
     """Validated examples of a chunk; without skip_malformed, the first malformed record ends it."""
     tally = Tally()
@@ -167,6 +227,14 @@ def parse_chunk(chunk: Chunk, skip_malformed: bool) -> Parsed:
                     url, f"data[{a}].paragraphs[{p}]", paragraph, skip_malformed, tally
                 ):
                     out.append(item)
+        elif chunk.kind in ("table", "rows"):
+            for number, row in _rows(chunk):
+                try:
+                    out.append((f"row {number}", row_example(row)))
+                except (ValueError, RecursionError) as err:
+                    if not skip_malformed:
+                        raise DataError(f"{url}: {named(f'row {number}', row)}: {err}") from None
+                    tally.skipped += 1
         else:
             for number, line in chunk.records:
                 if not line.strip():
@@ -212,7 +280,8 @@ class ExampleReader:
     """One source's chunks, and its validated examples in order (iterate once per pass).
 
     A malformed record raises DataError naming the file and the record (SQuAD: `data[a].paragraphs[p]
-    .qas[q]`, JSON Lines: `line n`), or with skip_malformed is counted in `tally` and left out.
+    .qas[q]`, JSON Lines: `line n`, tables: `row n`, counted from 0), or with skip_malformed is counted
+    in `tally` and left out.
     """
 
     def __init__(self, source: str, skip_malformed: bool = False) -> None:

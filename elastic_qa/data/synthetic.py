@@ -188,24 +188,38 @@ def _paragraph(world: _World, rng: random.Random, prefix: str, unanswerable_frac
     return {"context": context, "qas": qas}
 
 
+def _articles(questions: int, seed: int, unanswerable_fraction: float) -> Iterator[tuple[int, list[dict]]]:
+    """(index of the first paragraph, paragraphs) per article of a generated file of `questions`."""
+    world = _World(random.Random(f"world-{seed}"))
+    rng = random.Random(f"file-{seed}")
+    paragraphs = -(-questions // _QUESTIONS_PER_PARAGRAPH)
+    for first in range(0, paragraphs, _PARAGRAPHS_PER_ARTICLE):
+        count = min(_PARAGRAPHS_PER_ARTICLE, paragraphs - first)
+        yield (
+            first,
+            [
+                _paragraph(world, rng, f"gen-{i:08d}", unanswerable_fraction)
+                for i in range(first, first + count)
+            ],
+        )
+
+
 def write_squad_file(path: str, questions: int, seed: int, unanswerable_fraction: float = 0.15) -> int:
     """Write a SQuAD v2.0 JSON file of `questions` (rounded up to whole paragraphs) as a stream.
 
     Contexts of about 120 words, five questions each, ten paragraphs an article. `.jsonl` in the name
-    writes JSON Lines (one question a line) instead. Returns the number of questions written.
+    writes JSON Lines (one question a line) instead, `.parquet` the hub's squad_v2 rows (pyarrow). The same
+    seed gives the same questions in every format. Returns the number of questions written.
     """
-    world = _World(random.Random(f"world-{seed}"))
-    rng = random.Random(f"file-{seed}")
-    paragraphs = -(-questions // _QUESTIONS_PER_PARAGRAPH)
+    articles = _articles(questions, seed, unanswerable_fraction)
+    written = -(-questions // _QUESTIONS_PER_PARAGRAPH) * _QUESTIONS_PER_PARAGRAPH
+    if path.endswith(".parquet"):
+        _write_parquet(path, articles)
+        return written
     lines = path.endswith(".jsonl")
     with open(path, "w", encoding="utf-8") as out:
         out.write("" if lines else '{"version": "v2.0", "data": [\n')
-        for first in range(0, paragraphs, _PARAGRAPHS_PER_ARTICLE):
-            count = min(_PARAGRAPHS_PER_ARTICLE, paragraphs - first)
-            article = [
-                _paragraph(world, rng, f"gen-{i:08d}", unanswerable_fraction)
-                for i in range(first, first + count)
-            ]
+        for first, article in articles:
             if lines:
                 for p in article:
                     out.writelines(json.dumps({"context": p["context"], **qa}) + "\n" for qa in p["qas"])
@@ -215,4 +229,47 @@ def write_squad_file(path: str, questions: int, seed: int, unanswerable_fraction
                     + json.dumps({"title": f"article {first}", "paragraphs": article})
                 )
         out.write("" if lines else "\n]}\n")
-    return paragraphs * _QUESTIONS_PER_PARAGRAPH
+    return written
+
+
+PARQUET_ROW_GROUP = 10_000  # rows: about 10 MB of SQuAD-sized records a row group
+
+
+def _write_parquet(path: str, articles: Iterator[tuple[int, list[dict]]]) -> None:
+    """Rows `id, title, context, question, answers: {text: [...], answer_start: [...]}`, written a row
+    group at a time (the file is never whole in memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("title", pa.string()),
+            ("context", pa.string()),
+            ("question", pa.string()),
+            ("answers", pa.struct([("text", pa.list_(pa.string())), ("answer_start", pa.list_(pa.int32()))])),
+        ]
+    )
+    rows: list[dict] = []
+    with pq.ParquetWriter(path, schema) as writer:
+        for first, article in articles:
+            for p in article:
+                for qa in p["qas"]:
+                    answers = qa["answers"]
+                    rows.append(
+                        {
+                            "id": qa["id"],
+                            "title": f"article {first}",
+                            "context": p["context"],
+                            "question": qa["question"],
+                            "answers": {
+                                "text": [a["text"] for a in answers],
+                                "answer_start": [a["answer_start"] for a in answers],
+                            },
+                        }
+                    )
+            if len(rows) >= PARQUET_ROW_GROUP:
+                writer.write_table(pa.Table.from_pylist(rows, schema))
+                rows = []
+        if rows:
+            writer.write_table(pa.Table.from_pylist(rows, schema))
