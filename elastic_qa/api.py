@@ -260,7 +260,7 @@ def predict(
     """Answer each question from its context, in order, with a model loaded once (a run directory, a
     checkpoints directory, a step directory or an export). `questions`: {"question", "context"} dicts or
     (question, context) pairs. `null_threshold` defaults to the model's eval.null_threshold."""
-    from elastic_qa.evaluate import answer_questions
+    from elastic_qa.evaluation import answer_questions
 
     pairs = [_pair(i, item) for i, item in enumerate(questions)]
     if not pairs:
@@ -311,7 +311,7 @@ def evaluate(
     the data it was trained on): exact and f1 (percentages) and total, the same by HasAns and NoAns, the
     best null thresholds; with `source`, `step` and `null_threshold`."""
     from elastic_qa.cli import eval_data
-    from elastic_qa.evaluate import squad_v2_evaluation
+    from elastic_qa.evaluation import squad_v2_evaluation
 
     loaded, device = _loaded(model)
     threshold = loaded.cfg.eval.null_threshold if null_threshold is None else null_threshold

@@ -103,7 +103,7 @@ def eval_data(path: str | None, loaded: PredictionModel) -> tuple[Sequence[QAExa
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from elastic_qa.evaluate import squad_v2_evaluation
+    from elastic_qa.evaluation import squad_v2_evaluation
     from elastic_qa.export import load_for_prediction
     from elastic_qa.output_paths import refuse_managed_output
 
@@ -143,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from elastic_qa.evaluate import answer_questions
+    from elastic_qa.evaluation import answer_questions
     from elastic_qa.export import load_for_prediction
 
     device = _device()

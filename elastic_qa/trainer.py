@@ -40,7 +40,7 @@ from elastic_qa.elastic.control import (
 )
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.evaluate import evaluate
+from elastic_qa.evaluation import evaluate
 from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for, model_inputs
 from elastic_qa.models.invariance import freeze, loss_invariant_parameters

@@ -42,8 +42,8 @@ def test_import_elastic_qa_is_cheap_and_its_api_loads_on_first_use() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False"]
-    importlib.import_module("elastic_qa.evaluate")  # the submodule evaluate.py, imported ...
-    assert elastic_qa.evaluate is elastic_qa.api.evaluate  # ... does not replace the API's evaluate()
+    importlib.import_module("elastic_qa.evaluation")  # the prediction and scoring module ...
+    assert elastic_qa.evaluate is elastic_qa.api.evaluate  # ... is no attribute named like the API's function
 
 
 def test_fit_in_this_process_from_a_thread_returns_the_final_metrics_and_model_paths(

@@ -17,7 +17,7 @@ from elastic_qa.cli import main
 from elastic_qa.data.loader import collate
 from elastic_qa.data.squad import read_squad
 from elastic_qa.data.wordpiece import VOCAB_FILE
-from elastic_qa.evaluate import predict
+from elastic_qa.evaluation import predict
 from elastic_qa.export import CONFIG_FILE, EXPORT_FILE, load_for_prediction
 from elastic_qa.models import model_inputs
 from tests.conftest import FIXTURES, train_tiny

@@ -193,7 +193,7 @@ def product_predictions(run_dir: Path) -> dict[str, Any]:
     import torch
 
     from elastic_qa.data.cache import prepare
-    from elastic_qa.evaluate import predict
+    from elastic_qa.evaluation import predict
     from elastic_qa.export import load_for_prediction
 
     device = torch.device("cpu")

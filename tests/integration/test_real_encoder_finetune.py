@@ -27,7 +27,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.cli import main
 from elastic_qa.config import resolve_config
 from elastic_qa.data.cache import prepare
-from elastic_qa.evaluate import predict
+from elastic_qa.evaluation import predict
 from elastic_qa.export import load_for_prediction
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events

@@ -13,7 +13,7 @@ from elastic_qa.config import ModelConfig
 from elastic_qa.data.features import Features, build_features
 from elastic_qa.data.squad import QAExample, read_squad
 from elastic_qa.data.tokenizer import PAD, WordTokenizer
-from elastic_qa.evaluate import (
+from elastic_qa.evaluation import (
     WindowPrediction,
     answers_from_windows,
     best_spans,
