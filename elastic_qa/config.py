@@ -306,6 +306,15 @@ class TrainConfig:
     """Windows per evaluation forward, per rank."""
     threads: int = 0
     """torch intra-op threads per process (0: CPU cores / processes on this host)."""
+    compile: bool = False
+    """torch.compile the model (inductor; C++ on CPU, needs a compiler): faster steps after a first step that
+    compiles (docs/compile.md)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """torch.compile's mode when compile is true: `reduce-overhead` adds CUDA graphs, `max-autotune` times
+    kernel choices at compile time (a longer first step)."""
+    compile_cache: bool = True
+    """Keep the compiler's caches in <run.dir>/compile-cache (owner-only), so that a restarted worker loads
+    what was compiled instead of compiling again; false: every start compiles from nothing."""
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 1 (0: train.epochs sets it)")

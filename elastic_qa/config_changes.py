@@ -56,6 +56,8 @@ EFFECTS: dict[str, str] = {
     "metric: the best starts over at the next evaluation",
     "data.vocab_file": "none if it holds the checkpoint's vocabulary (compared by content: another is "
     "refused)",
+    "train.compile": "the same steps computed by other kernels: from the resumed step on the parameters "
+    "differ from those of a run that kept the setting, by rounding",
 }
 DEFAULT_EFFECT = "applies from the resumed step on"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import contextlib
 import inspect
 import os
@@ -252,6 +253,9 @@ def exit_process(code: int) -> NoReturn:
     (join our own non-daemon threads, such as a checkpoint write; run the atexit handlers; flush) and
     leave with os._exit.
     """
+    # Executors' idle workers (inductor compiles in a ThreadPoolExecutor) wait for work until told that the
+    # interpreter exits, which finalisation does before it joins threads: so do we, or the join never ends.
+    concurrent.futures.thread._python_exit()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
+from elastic_qa.compile import CompileWatch, compile_model, use_compile_cache
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
@@ -99,6 +100,10 @@ class Trainer:
         self.draws_random = (cfg.model.dropout or 0.0) > 0 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         )
+        self.compile_watch: CompileWatch | None = None
+        if cfg.train.compile:  # in place and before DDP wraps it: elastic_qa/compile.py says why
+            self.compile_watch = CompileWatch(use_compile_cache(cfg))
+            compile_model(model, cfg, self.family.full_width)
         self.comm_timer = CommTimer()
         self.model = wrap_model(model, ctx, cfg.dist, self.comm_timer)
         precision = cfg.train.precision
@@ -231,6 +236,8 @@ class Trainer:
                 )
                 if self.ledger:
                     self.ledger.record(batch["step"], batch["epoch"], batch["indices"])
+                if self.compile_watch:
+                    self.compile_watch.step_started()
                 stats, decision = self._train_step(batch, pending)
                 self._after_step(batch, stats, decision)
                 if decision.stop:
@@ -292,6 +299,8 @@ class Trainer:
 
     def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
         cfg, step, end = self.cfg, self.state.step, self.state.end_step
+        if self.compile_watch and (news := self.compile_watch.news()):
+            self.log.info("compile", step=step, **news)
         if step % cfg.log.every_steps == 0 or step == end:
             self._log_step(batch, stats)
         self.timer.mark("log_and_save")

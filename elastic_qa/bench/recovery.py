@@ -5,7 +5,9 @@ one worker of the non-host agent) or a node loss (SIGKILL that agent and its wor
 kills hit a bare baseline: elastic_qa/bench/trivial_worker.py launched by the same launcher and agents
 (`--module`), which has nothing to load or restore. Recovery = ts of the first `step` event written by a
 process that did not exist before the kill, minus the kill time. Product and baseline alternate.
-Goal: product / bare <= 1.5 for each case.
+Goal: product / bare <= 1.5 for each case. `--compile` trains the product with train.compile=true (its
+restarted workers load their graphs from the run's compile cache); `--no-compile-cache` adds
+train.compile_cache=false, for what a restart costs when every new worker compiles from nothing.
 
 When the kill falls matters: a dead node is noticed once its last rendezvous heartbeat (every
 keep_alive_interval, from the agents' rendezvous on) is keep_alive_interval x max_attempt old, so recovery
@@ -40,6 +42,7 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.job import Job
+from elastic_qa.exits import UsageError
 from elastic_qa.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S
 from elastic_qa.observe.follow import LogFollower
 
@@ -65,7 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kill-after", type=positive_int, default=10, help="steps trained before the kill")
     parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for any phase")
+    parser.add_argument("--compile", action="store_true", help="the product trains with train.compile=true")
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="with --compile: train.compile_cache=false, so that every new worker compiles from nothing",
+    )
     return parser
+
+
+def compile_overrides(args: argparse.Namespace) -> list[str]:
+    if not args.compile:
+        return []
+    return ["train.compile=true", f"train.compile_cache={str(not args.no_compile_cache).lower()}"]
 
 
 def wait_for_phase(started: float, phase: float, interval: float) -> None:
@@ -78,7 +93,7 @@ def wait_for_phase(started: float, phase: float, interval: float) -> None:
 
 def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, phase: float) -> dict[str, Any]:
     # `--module` goes last: the launcher reads options after the overrides too.
-    extra = [*PRODUCT] if variant == "product" else ["--module", TRIVIAL]
+    extra = [*PRODUCT, *compile_overrides(args)] if variant == "product" else ["--module", TRIVIAL]
     job = Job(run_dir, args.config, [*args.overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
     follower = LogFollower(run_dir / "logs")
     try:
@@ -125,7 +140,10 @@ def new_group_events(
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    bench_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
+    if args.no_compile_cache and not args.compile:
+        raise UsageError("--no-compile-cache: only with --compile")
+    # bad config: one line now, not a launcher failure later
+    bench_config(args.config, [*args.overrides, *compile_overrides(args)])
     pairs = [(case, variant) for case in args.cases for variant in ("product", "bare")]
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
     for rep, (case, variant) in alternate(args.reps, pairs):
@@ -173,6 +191,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "kill_after_steps": args.kill_after,
             "heartbeat_interval_s": float(KEEP_ALIVE_INTERVAL_S),
             "reps": args.reps,
+            "compile": args.compile,
+            "compile_cache": args.compile and not args.no_compile_cache,
         },
         "cases": cases,
         "goal": GOAL,
