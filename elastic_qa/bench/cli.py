@@ -25,6 +25,7 @@ from elastic_qa.observe.log import configure_logging
 USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README's Benchmarks section).
 
     throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
+    compile      the product eager vs train.compile=true: steady-state steps/s, cold compile time
     checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
@@ -44,6 +45,7 @@ run failed, 2 bad arguments, 130/143 stopped by Ctrl-C/SIGTERM (the runs it had 
 
 BENCHMARKS = (
     "throughput",
+    "compile",
     "checkpoint",
     "resume",
     "recovery",

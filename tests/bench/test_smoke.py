@@ -46,6 +46,17 @@ def test_throughput(tmp_path: Path, cache_dir: Path) -> None:
     assert result["variants"]["product"]["breakdown_ms"]["forward_backward_s"] > 0
 
 
+@pytest.mark.long  # two cold compiles of the tiny model: ~1 min on 2 cores, more under load
+def test_compile(tmp_path: Path, cache_dir: Path) -> None:
+    result = bench(
+        tmp_path, "compile", "--config", "tiny", "--reps", "1", "--steps", "20", f"data.cache_dir={cache_dir}"
+    )
+    assert set(result["variants"]) == {"eager", "compiled"} and result["ratio"] > 0
+    for variant in result["variants"].values():
+        assert positive(variant["steps_per_s"])
+    assert result["compiled_first_step_s"]["median"] > 0 and result["compiled_compile_s"]["median"] > 0
+
+
 def test_checkpoint(tmp_path: Path) -> None:
     result = bench(tmp_path, "checkpoint", "--models", "tiny", "--reps", "1")
     tiny = result["models"]["tiny"]
@@ -165,6 +176,7 @@ def test_drift(tmp_path: Path, cache_dir: Path) -> None:
         ["drift", "--resize", "2to3"],
         ["drift", "--config", "tiny", "model.nosuch=1"],
         ["throughput", "--config", "tiny", "train.nosuch=1"],
+        ["compile", "--config", "tiny", "train.compile=true"],
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
