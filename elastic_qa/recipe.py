@@ -5,8 +5,8 @@ The recipe is transformers' examples/pytorch/question-answering/run_qa.py: its a
 TrainingArguments (Trainer: AdamW, linear decay to 0 after a warm-up of 0 steps, weight decay 0, gradient
 norm clipped at 1.0, fp32, every parameter trained), and the learning rate and batch of its README's SQuAD
 example (--learning_rate 3e-5, --per_device_train_batch_size 12 on one GPU). run_qa counts epochs
-(--num_train_epochs 2 in that example) where this package counts train.max_steps; settings without a
-counterpart there are not compared.
+(--num_train_epochs 2 in that example); the hf-base config counts train.max_steps (train.epochs=2 with
+train.max_steps=0 is the same length); settings without a counterpart there are not compared.
 """
 
 from __future__ import annotations
