@@ -48,6 +48,7 @@ from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
+from elastic_qa.observe.trackers import Trackers, check_installed
 from elastic_qa.optim import build_optimizer, build_scheduler
 from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
 
@@ -71,6 +72,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 OTHER_RANK_STOP = "asked on another rank"
+
+
+def _tracked(scores: dict[str, float]) -> dict[str, float]:
+    """Evaluation scores under the names trackers give them."""
+    return {"eval_em": scores["em"], "eval_f1": scores["f1"], "eval_loss": scores["loss"]}
 
 
 class Trainer:
@@ -124,7 +130,10 @@ class Trainer:
         self.session.on_stall = self.timer.add_stall
         self.console = Console(cfg.log.console, cfg.train.max_steps, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
-        self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
+        tensorboard = "tensorboard" in cfg.log.tracker_names
+        self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
+        check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
+        self.trackers: Trackers | None = None  # started once the run is registered
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _freeze_loss_invariant(self, model: torch.nn.Module) -> None:
@@ -154,6 +163,11 @@ class Trainer:
 
     def register_attempt(self) -> int:
         attempt = self.session.register()
+        # The run's uuid is in its checkpoint directory's record from here on.
+        backlog = self.state.metrics_backlog
+        self.trackers = Trackers.start(self.cfg, self.session.run_uuid, backlog, self.ctx.is_main)
+        if self.trackers:
+            self.state.tracker_backlog = self.trackers.backlog
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)
         return attempt
@@ -239,6 +253,8 @@ class Trainer:
             raise PeerFailure(failure_reason(err)) from err
         finally:
             self.stop_request.uninstall()
+            if self.trackers:  # a no-op after _finish or _stop closed them
+                self.trackers.close(finished=False)
 
     def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
         model, device, state = self.model, self.device, self.state
@@ -288,12 +304,15 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
             self._log_step(batch, stats)
+        # Before a checkpoint of this step: the trackers' backlog it keeps then holds the scores too.
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
+            self.timer.mark("log_and_save")
+            self.run_eval()
+            self.timer.mark(None)  # evaluation is none of the step's phases
         due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
         if due and not decision.stop and step < cfg.train.max_steps:
             self.session.save(reason="periodic")
         self.timer.mark("log_and_save")
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
-            self.run_eval()
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
@@ -325,6 +344,11 @@ class Trainer:
         self.console.progress(state.step, loss, rate)
         if self.scalars:
             self.scalars.add(state.step, loss=local_loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate)
+        if self.trackers:
+            world = float(self.ctx.world_size)
+            self.trackers.log(
+                state.step, loss=loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate, world_size=world
+            )
 
     # ---- evaluation and the end ---------------------------------------------------------------------
     def run_eval(self) -> dict[str, float] | None:
@@ -357,8 +381,25 @@ class Trainer:
             )
             self.console.line(f"eval step {step}: {em_f1_text(scores['em'], scores['f1'])}")
             if self.scalars:
-                self.scalars.add(step, eval_em=scores["em"], eval_f1=scores["f1"], eval_loss=scores["loss"])
+                self.scalars.add(step, **_tracked(scores))
+        if self.trackers:
+            tracked = self._scores_on_every_rank(scores)
+            if tracked:
+                self.trackers.log(self.state.step, **tracked)
         return scores
+
+    def _scores_on_every_rank(self, scores: dict[str, float] | None) -> dict[str, float] | None:
+        """Rank 0's scores, on every rank: the others keep them for an emergency checkpoint's tracker
+        backlog (observe/trackers). One broadcast of four numbers per evaluation."""
+        if not self.ctx.distributed:
+            return _tracked(scores) if scores else None
+        shared = torch.tensor(
+            [1.0, scores["em"], scores["f1"], scores["loss"]] if scores else [0.0] * 4, dtype=torch.float64
+        )
+        dist.broadcast(shared, src=0, group=self.control_group)
+        if not shared[0]:
+            return None
+        return _tracked({"em": float(shared[1]), "f1": float(shared[2]), "loss": float(shared[3])})
 
     def _stop(self) -> dict[str, Any]:
         self.control.enter(Phase.STOPPING)
@@ -368,6 +409,8 @@ class Trainer:
         self.log.warning("stopping", step=self.state.step, signal=reason)
         with self.stop_request.saving():
             self.session.save_for_stop()
+        if self.trackers:
+            self.trackers.close(finished=False)
         return {"stopped": True, "step": self.state.step}
 
     def _finish(self) -> dict[str, Any]:
@@ -377,6 +420,8 @@ class Trainer:
         self.session.save_final()
         if self.scalars:
             self.scalars.close()
+        if self.trackers:
+            self.trackers.close(finished=True)
         self.log.info(
             "train_done",
             step=self.state.step,
