@@ -482,6 +482,9 @@ class LogConfig:
     """The run's name in MLflow and W&B (empty: the name of run.dir)."""
     tracker_timeout: timedelta = timedelta(seconds=60)
     """A tracker call (opening the run, logging, the last flush) that takes longer drops that tracker."""
+    tracker_send_every: timedelta = timedelta(seconds=1)
+    """How often a tracker's thread sends what was logged meanwhile, in one call (fewer, larger calls
+    take less of rank 0's CPU; 0s: as soon as it can)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -489,6 +492,12 @@ class LogConfig:
         _require(self.every_steps >= 1, "every_steps", self.every_steps, "must be >= 1")
         _require(self.breakdown_every >= 0, "breakdown_every", self.breakdown_every, "must be >= 0")
         _require(len(set(self.trackers)) == len(self.trackers), "trackers", self.trackers, "lists one twice")
+        _require(
+            self.tracker_send_every.total_seconds() >= 0,
+            "tracker_send_every",
+            format_duration(self.tracker_send_every),
+            "must be >= 0",
+        )
         _require(
             self.tracker_timeout.total_seconds() > 0,
             "tracker_timeout",

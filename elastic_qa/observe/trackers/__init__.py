@@ -78,8 +78,14 @@ class Trackers:
             runs.append(WandbRun(cfg, run_uuid))
         if not runs:
             return None
-        timeout_s = cfg.log.tracker_timeout.total_seconds()
-        trackers = cls([BackgroundTracker(run, timeout_s) for run in runs]) if main else cls([], standby=True)
+        if main:
+            timeout_s, send_every_s = (
+                cfg.log.tracker_timeout.total_seconds(),
+                cfg.log.tracker_send_every.total_seconds(),
+            )
+            trackers = cls([BackgroundTracker(run, timeout_s, send_every_s=send_every_s) for run in runs])
+        else:
+            trackers = cls([], standby=True)
         for step, metrics in backlog:
             trackers.log(step, **metrics)
         return trackers
