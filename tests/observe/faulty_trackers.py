@@ -18,6 +18,7 @@ HANG_TIMEOUT_S = 1.0
 
 class Raising:
     name = "raising"
+    pending_records = 0
 
     def open(self) -> dict[str, int]:
         return {}
