@@ -122,6 +122,10 @@ def test_a_second_start_continues_the_wandb_offline_run_and_skips_the_steps_it_h
     logged_by(WandbRun(cfg, UUID), range(1, 8))
     files = tmp_path / "wandb-files" / "wandb"
     assert offline_high_water(files, UUID) == {"loss": 7, "eval_f1": 5}
+    # W&B names the folder by the second the attempt started in: date it back, so that the next start
+    # (within the same second here, seconds later in a real restart) writes a folder of its own.
+    (first,) = files.glob(f"offline-run-*-{UUID}")
+    first.rename(files / f"offline-run-20000101_000000-{UUID}")
     logged_by(WandbRun(cfg, UUID), range(4, 13))
     attempts = sorted(files.glob(f"offline-run-*-{UUID}"))
     rows = [row for path in attempts for row in offline_history(path / f"run-{UUID}.wandb")]
