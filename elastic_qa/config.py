@@ -492,6 +492,27 @@ class DistConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: str = ""
+    """Where MLflow keeps runs, e.g. sqlite:////abs/path/mlflow.db or http://host:5000 (empty: MLflow's own
+    default, MLFLOW_TRACKING_URI)."""
+    experiment: str = "elastic-qa"
+    """The experiment the run is created in (created when missing)."""
+
+
+@dataclass
+class WandbConfig:
+    project: str = "elastic-qa"
+    """The W&B project of the run."""
+    entity: str = ""
+    """The W&B team or user (empty: the API key's default)."""
+    mode: Literal["online", "offline"] = "online"
+    """offline: write the run under dir only (`wandb sync` uploads it later)."""
+    dir: str = ""
+    """The folder wandb writes its files in (empty: WANDB_DIR, else run.dir)."""
+
+
+@dataclass
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level written to the per-process JSON log."""
@@ -503,11 +524,43 @@ class LogConfig:
     """Rank 0's progress on the console (the launcher's under the launcher): in place on a TTY (auto;
     `progress` forces it), plain lines, or none (YAML reads `off` as false)."""
     tensorboard: bool = False
-    """Also write per-rank TensorBoard scalars under <run.dir>/tensorboard (needs the extra)."""
+    """Also write per-rank TensorBoard scalars under <run.dir>/tensorboard (needs the extra); the same as
+    listing tensorboard in trackers."""
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=list)
+    """Experiment trackers given the step and eval metrics (docs/trackers.md): tensorboard per rank; mlflow
+    and wandb from rank 0, one tracker run per run, continued across restarts (each needs its extra)."""
+    tracker_run_name: str = ""
+    """The run's name in MLflow and W&B (empty: the name of run.dir)."""
+    tracker_timeout: timedelta = timedelta(seconds=60)
+    """A tracker call (opening the run, logging, the last flush) that takes longer drops that tracker."""
+    tracker_send_every: timedelta = timedelta(seconds=1)
+    """How often a tracker's thread sends what was logged meanwhile, in one call (fewer, larger calls
+    take less of rank 0's CPU; 0s: as soon as it can)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "every_steps", self.every_steps, "must be >= 1")
         _require(self.breakdown_every >= 0, "breakdown_every", self.breakdown_every, "must be >= 0")
+        _require(len(set(self.trackers)) == len(self.trackers), "trackers", self.trackers, "lists one twice")
+        _require(
+            self.tracker_send_every.total_seconds() >= 0,
+            "tracker_send_every",
+            format_duration(self.tracker_send_every),
+            "must be >= 0",
+        )
+        _require(
+            self.tracker_timeout.total_seconds() > 0,
+            "tracker_timeout",
+            format_duration(self.tracker_timeout),
+            "must be > 0",
+        )
+
+    @property
+    def tracker_names(self) -> list[str]:
+        """`trackers`, with tensorboard when `tensorboard: true` asks for it the older way."""
+        extra = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.trackers else []
+        return [*self.trackers, *extra]
 
 
 @dataclass
@@ -604,6 +657,11 @@ def _coerce(path: str, hint: Any, value: Any) -> Any:
             return _coerce(path, others[0], value)
         except ConfigError:
             raise bad(f"{_EXPECTED.get(others[0], others[0].__name__)} or null") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad("a list, e.g. [a, b]")
+        (item,) = typing.get_args(hint)
+        return [_coerce(f"{path}[{i}]", item, element) for i, element in enumerate(value)]
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

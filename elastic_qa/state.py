@@ -12,7 +12,9 @@
                                absent in checkpoints written before it existed),
                    "length":   the epochs asked for and the step they resolved to (run_length.py),
                    "config", "versions",
-                   "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise)}
+                   "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise),
+                   "metrics_backlog": [[step, {metric: value}], ...]: what rank 0's trackers are given
+                                      again on resume (observe/trackers; absent without trackers)}
 
 `state_dict()` and `load_state_dict()` are the only code that knows this layout. Checkpoints written before
 the layout had a format number (format 1: a "trainer" table that repeated the data position) still load;
@@ -22,6 +24,7 @@ a newer format is refused with exit 2, naming the version.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +90,10 @@ class TrainState:
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0
         self.best = BestTracker(cfg.checkpoint)
+        # Metric records replayed to the trackers on resume, so that a tracker running behind the checkpoint
+        # still gets every step (observe/trackers).
+        self.metrics_backlog: list[tuple[int, dict[str, float]]] = []
+        self.tracker_backlog: Callable[[], list[tuple[int, dict[str, float]]]] = list
 
     def complete_step(self, batch: dict[str, Any]) -> None:
         """The step's update is applied: the counters and the data position move together."""
@@ -116,6 +123,9 @@ class TrainState:
         }
         if self.vocabulary is not None:  # the model's ids mean nothing without it: it travels with them
             trainer["vocabulary"] = self.vocabulary
+        backlog = self.tracker_backlog()
+        if backlog:
+            trainer["metrics_backlog"] = [[step, metrics] for step, metrics in backlog]
         return {
             MODEL_FILE: unwrap(self.model).state_dict(),
             OPTIMIZER_FILE: self.optimizer.state_dict(),
@@ -155,9 +165,18 @@ class TrainState:
         self.step = int(trainer["counters"]["step"])
         self.tokens_seen = int(trainer["counters"]["tokens_seen"])
         self.best.load_state_dict(trainer.get("best"))
+        self.metrics_backlog = metrics_backlog(trainer.get("metrics_backlog", []), loaded.path)
         mine = trainer["rng"].get(str(self.ctx.rank))
         if mine is not None:  # a rank the saved world did not have keeps its fresh generators
             set_rng_state(mine)
+
+
+def metrics_backlog(saved: Any, where: str) -> list[tuple[int, dict[str, float]]]:
+    """trainer.pt's metrics_backlog as (step, {metric: value}) records; ResumeError when it is not one."""
+    try:
+        return [(int(step), {str(k): float(v) for k, v in metrics.items()}) for step, metrics in saved]
+    except (TypeError, ValueError, AttributeError):
+        raise ResumeError(f"checkpoint {where}: metrics_backlog is not a list of [step, metrics]") from None
 
 
 def upgrade(trainer: dict[str, Any], where: str = "checkpoint") -> dict[str, Any]:

@@ -50,6 +50,7 @@ from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
+from elastic_qa.observe.trackers import Trackers, check_installed
 from elastic_qa.optim import build_optimizer, build_scheduler
 from elastic_qa.run_length import end_step
 from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
@@ -74,6 +75,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 OTHER_RANK_STOP = "asked on another rank"
+
+
+def _tracked(scores: dict[str, float]) -> dict[str, float]:
+    """Evaluation scores under the names trackers give them."""
+    return {"eval_em": scores["em"], "eval_f1": scores["f1"], "eval_loss": scores["loss"]}
 
 
 class Trainer:
@@ -133,7 +139,10 @@ class Trainer:
         self.session.on_stall = self.timer.add_stall
         self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
-        self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if cfg.log.tensorboard else None
+        tensorboard = "tensorboard" in cfg.log.tracker_names
+        self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
+        check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
+        self.trackers: Trackers | None = None  # started once the run is registered
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _freeze_loss_invariant(self, model: torch.nn.Module) -> None:
@@ -164,6 +173,11 @@ class Trainer:
 
     def register_attempt(self) -> int:
         attempt = self.session.register()
+        # The run's uuid is in its checkpoint directory's record from here on.
+        backlog = self.state.metrics_backlog
+        self.trackers = Trackers.start(self.cfg, self.session.run_uuid, backlog, self.ctx.is_main)
+        if self.trackers:
+            self.state.tracker_backlog = self.trackers.backlog
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)
         return attempt
@@ -252,6 +266,8 @@ class Trainer:
             raise PeerFailure(failure_reason(err)) from err
         finally:
             self.stop_request.uninstall()
+            if self.trackers:  # a no-op after _finish or _stop closed them
+                self.trackers.close(finished=False)
 
     def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
         model, device, state = self.model, self.device, self.state
@@ -307,7 +323,7 @@ class Trainer:
         new_best = False
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
             new_best = self.run_eval() is not None and self.state.best.step == step
-            self.timer.skip()  # evaluation is no part of the step's phases
+            self.timer.mark(None)  # evaluation is none of the step's phases
         due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
         # An early stop commits this step as the final checkpoint instead (_finish).
         if (due or new_best) and not decision.stop and step < end and not self.state.best.exhausted:
@@ -344,6 +360,11 @@ class Trainer:
         self.console.progress(state.step, loss, rate)
         if self.scalars:
             self.scalars.add(state.step, loss=local_loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate)
+        if self.trackers:
+            world = float(self.ctx.world_size)
+            self.trackers.log(
+                state.step, loss=loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate, world_size=world
+            )
 
     # ---- evaluation and the end ---------------------------------------------------------------------
     def run_eval(self) -> dict[str, float] | None:
@@ -377,10 +398,12 @@ class Trainer:
             )
             self.console.line(f"eval step {step}: {em_f1_text(scores['em'], scores['f1'])}")
             if self.scalars:
-                self.scalars.add(step, eval_em=scores["em"], eval_f1=scores["f1"], eval_loss=scores["loss"])
+                self.scalars.add(step, **_tracked(scores))
         shared = self._shared_scores(scores)
         if shared is not None:
             self._observe(shared)
+            if self.trackers:
+                self.trackers.log(self.state.step, **_tracked(shared))
         return shared if scores is None else scores
 
     def _shared_scores(self, scores: dict[str, float] | None) -> dict[str, float] | None:
@@ -428,6 +451,8 @@ class Trainer:
         self.log.warning("stopping", step=self.state.step, signal=reason)
         with self.stop_request.saving():
             self.session.save_for_stop()
+        if self.trackers:
+            self.trackers.close(finished=False)
         return {"stopped": True, "step": self.state.step}
 
     def _finish(self) -> dict[str, Any]:
@@ -442,6 +467,8 @@ class Trainer:
         self.session.save_final()
         if self.scalars:
             self.scalars.close()
+        if self.trackers:
+            self.trackers.close(finished=True)
         self.log.info(
             "train_done",
             step=self.state.step,

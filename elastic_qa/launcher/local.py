@@ -51,6 +51,7 @@ from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safel
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
+from elastic_qa.observe.trackers import check_installed as check_trackers_installed
 from elastic_qa.run_length import end_step, length_text
 
 LOOPBACK = "127.0.0.1"
@@ -189,8 +190,9 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
         print(f"elastic-qa: config error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
     try:
-        if cfg.log.tensorboard:
+        if "tensorboard" in cfg.log.tracker_names:
             TensorBoardScalars.check_installed()
+        check_trackers_installed(cfg)
         data = prepare(cfg, family_for(cfg.model))
         saved = newest_saved_trainer(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     except (DataError, ConfigError) as err:

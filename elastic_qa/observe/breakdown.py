@@ -53,19 +53,16 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
         self._last = time.perf_counter()
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str | None) -> None:
+        """The time since the previous mark was spent in `phase` (None: in none of them, other_s)."""
         if not self._detailed:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a sync point: only on reported steps
         now = time.perf_counter()
-        self.totals[phase] += now - self._last
+        if phase is not None:
+            self.totals[phase] += now - self._last
         self._last = now
-
-    def skip(self) -> None:
-        """Count the time since the last mark in no phase (an evaluation: reported under other)."""
-        if self._detailed:
-            self._last = time.perf_counter()
 
     def add_stall(self, seconds: float) -> None:
         self._stall += seconds

@@ -1,0 +1,130 @@
+"""The run's W&B run (`log.trackers: [wandb]`, extra `elastic-qa[wandb]`): its id is the run's uuid.
+
+Every start calls wandb.init with that id and resume="allow": the first creates the run, later ones continue
+it. The high-water mark: online, W&B's resumed `run.step` (W&B itself ignores a step below it); offline,
+where W&B knows nothing of earlier attempts, the steps in the earlier offline files of this run id under
+the wandb folder (each attempt writes one `offline-run-<time>-<id>`; `wandb sync` uploads them in order).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from elastic_qa.config import Config
+from elastic_qa.observe.log import get_logger
+from elastic_qa.observe.trackers.background import QUEUE_CALLS, Record
+
+
+class WandbRun:
+    name = "wandb"
+    # wandb.log hands a row to W&B's own process, which writes it (offline) or sends it (online) a moment
+    # later; a row is taken as held once this many newer ones followed it, or once the run is finished.
+    pending_records = QUEUE_CALLS
+
+    def __init__(self, cfg: Config, run_uuid: str) -> None:
+        from elastic_qa.observe.trackers import tracker_run_name
+
+        self.settings = cfg.log.wandb
+        self.run_uuid = run_uuid
+        self.run_name = tracker_run_name(cfg)
+        self.config = cfg.to_dict()
+        self.dir = self.settings.dir or os.environ.get("WANDB_DIR") or cfg.run.dir
+        self.run: Any = None
+
+    def open(self) -> dict[str, int]:
+        import wandb
+
+        offline = self.settings.mode == "offline"
+        earlier = offline_high_water(Path(self.dir) / "wandb", self.run_uuid) if offline else {}
+        Path(self.dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=self.settings.project,
+            entity=self.settings.entity or None,
+            id=self.run_uuid,
+            name=self.run_name,
+            resume="allow",
+            mode=self.settings.mode,
+            dir=self.dir,
+            config=self.config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        if offline or not self.run.resumed:
+            return earlier
+        return {key: self.run.step - 1 for key in self.run.summary if not key.startswith("_")}
+
+    def log(self, records: list[Record]) -> None:
+        for step, values in records:
+            self.run.log(values, step=step)
+
+    def close(self, finished: bool) -> None:
+        import wandb
+
+        self.run.finish(exit_code=0 if finished else 1)
+        wandb.teardown()  # waits for W&B's own process to have written (offline) or sent everything
+
+
+def offline_high_water(wandb_dir: Path, run_id: str) -> dict[str, int]:
+    """The highest step per metric in the offline files of run `run_id` under `wandb_dir` ({} if none).
+    A file that cannot be read is skipped with a warning: its steps may then be logged again."""
+    high: dict[str, int] = {}
+    for path in sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        try:
+            for step, keys in offline_history(path):
+                high.update({key: max(step, high.get(key, 0)) for key in keys})
+        except (OSError, ValueError) as err:
+            get_logger().warning("tracker_history_unread", tracker="wandb", path=str(path), error=str(err))
+    return high
+
+
+# The .wandb file: ":W&B", a 2-byte magic and a version byte, then a LevelDB-style log of 32 KiB blocks,
+# each record a 7-byte header (crc32, length, type: full, first, middle, last) and a protobuf `Record`.
+_HEADER = 7
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def offline_history(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(step, metric names) of each history row of a W&B offline run file; ValueError when it is not one."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    for chunk in _log_records(path.read_bytes()):
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated per protobuf version
+        try:
+            record.ParseFromString(chunk)
+        except DecodeError as err:
+            raise ValueError(f"a record that is not a W&B Record ({err})") from None
+        if record.WhichOneof("record_type") == "history":
+            keys = [item.key or "/".join(item.nested_key) for item in record.history.item]
+            yield record.history.step.num, [key for key in keys if not key.startswith("_")]
+
+
+def _log_records(data: bytes) -> Iterator[bytes]:
+    if data[:4] != b":W&B":
+        raise ValueError("not a W&B run file (no :W&B header)")
+    pos, pending = _HEADER, b""
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if kind == 0:  # zeros to the block's end
+            pos += left
+            continue
+        body = data[pos + _HEADER : pos + _HEADER + length]
+        if len(body) < length:  # the last record of a writer killed mid-write
+            return
+        pos += _HEADER + length
+        if kind == _FULL:
+            yield body
+        elif kind == _FIRST:
+            pending = body
+        elif kind == _MIDDLE:
+            pending += body
+        elif kind == _LAST:
+            yield pending + body

@@ -1,0 +1,183 @@
+"""Real MLflow (a local SQLite store, read back with MlflowClient) and W&B (offline) runs.
+
+In the default run: a second start of the same run continues its tracker run and skips the steps it holds.
+Marked long (real training, two processes each, a minute on two loaded cores): one tracker run per run
+across a SIGKILL and a resume that re-trains steps the killed attempt had already logged, every step in it
+once; trackers that raise or hang are dropped and training finishes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_qa.config import Config, resolve_config
+from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.trackers.background import BackgroundTracker, TrackerRun
+from elastic_qa.observe.trackers.mlflow_run import RUN_TAG, MlflowRun
+from elastic_qa.observe.trackers.wandb_run import WandbRun, offline_high_water, offline_history
+from tests.conftest import tiny_overrides
+
+STEPS = 20
+# Checkpoints every 5 steps, saved synchronously (an async save could still be in flight at the kill);
+# killed after step 13: the resume is from step 10 and re-trains 11-13, which the killed attempt logged.
+COMMON = (
+    f"train.max_steps={STEPS}",
+    "train.eval_every=5",
+    "log.every_steps=1",
+    "checkpoint.every_steps=5",
+    "checkpoint.async=false",
+)
+KILLED_AT, RESUMED_FROM = 13, 10
+
+
+def train(run_dir: Path, cache: Path, *extra: str, module: str = "elastic_qa.train", expect: int = 0) -> None:
+    command = [sys.executable, "-m", module, "--config", "tiny", *tiny_overrides(run_dir, cache, *extra)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == expect, result.stderr[-3000:]
+
+
+def train_killed_then_resumed(run_dir: Path, cache: Path, *extra: str) -> None:
+    train(run_dir, cache, *COMMON, *extra, f"debug.kill_at_step={KILLED_AT}", expect=-signal.SIGKILL)
+    train(run_dir, cache, *COMMON, *extra)
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [RESUMED_FROM]
+
+
+def run_uuid(run_dir: Path) -> str:
+    return json.loads((run_dir / "checkpoints" / "run.json").read_text())["run"]
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty SQLite tracking store, made once (creating MLflow's tables takes seconds of CPU)."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow") / "empty.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+def mlflow_store(empty_store: Path, db: Path) -> str:
+    """A new tracking store at `db`, created before training as a team's store is: MLflow creates its
+    tables in many steps, and a worker killed while creating them would leave a store that cannot open."""
+    shutil.copyfile(empty_store, db)
+    return f"sqlite:///{db}"
+
+
+def mlflow_runs(db: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    experiment = client.get_experiment_by_name("elastic-qa")
+    return [] if experiment is None else client.search_runs([experiment.experiment_id])
+
+
+def mlflow_steps(db: Path, run_id: str, metric: str) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(f"sqlite:///{db}").get_metric_history(run_id, metric))
+
+
+UUID = "0123456789abcdef0123456789abcdef"
+
+
+def logged_by(run: TrackerRun, steps: range) -> BackgroundTracker:
+    """`run` opened, given `steps` (loss at each, eval_f1 at every fifth) and closed, in its own thread."""
+    tracker = BackgroundTracker(run, timeout_s=120)
+    for step in steps:
+        tracker.log(step, {"loss": 1.0 / step, **({"eval_f1": 0.5} if step % 5 == 0 else {})})
+    tracker.close(finished=False)
+    assert tracker.dropped is None
+    return tracker
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> Config:
+    return resolve_config("tiny", [f"run.dir={tmp_path / 'run'}", *overrides])
+
+
+def test_a_second_start_continues_the_mlflow_run_and_skips_the_steps_it_holds(
+    tmp_path: Path, empty_store: Path
+) -> None:
+    db = tmp_path / "mlflow.db"
+    cfg = tiny_config(tmp_path, f"log.mlflow.tracking_uri={mlflow_store(empty_store, db)}")
+    logged_by(MlflowRun(cfg, UUID), range(1, 8))
+    again = logged_by(MlflowRun(cfg, UUID), range(4, 13))  # rolled back to step 3
+    assert again.high_water == {"loss": 12, "eval_f1": 10}
+    (run,) = mlflow_runs(db)
+    assert run.data.tags[RUN_TAG] == UUID and run.info.status == "KILLED"
+    assert mlflow_steps(db, run.info.run_id, "loss") == list(range(1, 13))
+    assert mlflow_steps(db, run.info.run_id, "eval_f1") == [5, 10]
+
+
+def test_a_second_start_continues_the_wandb_offline_run_and_skips_the_steps_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_config(tmp_path, "log.wandb.mode=offline", f"log.wandb.dir={tmp_path / 'wandb-files'}")
+    logged_by(WandbRun(cfg, UUID), range(1, 8))
+    files = tmp_path / "wandb-files" / "wandb"
+    assert offline_high_water(files, UUID) == {"loss": 7, "eval_f1": 5}
+    # W&B names the folder by the second the attempt started in: date it back, so that the next start
+    # (within the same second here, seconds later in a real restart) writes a folder of its own.
+    (first,) = files.glob(f"offline-run-*-{UUID}")
+    first.rename(files / f"offline-run-20000101_000000-{UUID}")
+    logged_by(WandbRun(cfg, UUID), range(4, 13))
+    attempts = sorted(files.glob(f"offline-run-*-{UUID}"))
+    rows = [row for path in attempts for row in offline_history(path / f"run-{UUID}.wandb")]
+    assert len(attempts) == 2
+    assert sorted(step for step, keys in rows if "loss" in keys) == list(range(1, 13))
+    assert sorted(step for step, keys in rows if "eval_f1" in keys) == [5, 10]
+
+
+@pytest.mark.long
+def test_an_mlflow_run_continues_across_a_kill_and_resume_with_every_step_logged_once(
+    tmp_path: Path, cache_dir: Path, empty_store: Path
+) -> None:
+    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    uri = mlflow_store(empty_store, db)
+    train_killed_then_resumed(run_dir, cache_dir, "log.trackers=[mlflow]", f"log.mlflow.tracking_uri={uri}")
+    (run,) = mlflow_runs(db)
+    assert run.data.tags[RUN_TAG] == run_uuid(run_dir)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params["train.max_steps"] == str(STEPS)
+    for metric in ("loss", "lr", "grad_norm", "world_size"):
+        assert mlflow_steps(db, run.info.run_id, metric) == list(range(1, STEPS + 1)), metric
+    for metric in ("eval_em", "eval_f1", "eval_loss"):
+        assert mlflow_steps(db, run.info.run_id, metric) == [5, 10, 15, 20], metric
+
+
+@pytest.mark.long
+def test_a_wandb_offline_run_keeps_its_id_across_a_kill_and_logs_every_step_once(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    train_killed_then_resumed(run_dir, cache_dir, "log.trackers=[wandb]", "log.wandb.mode=offline")
+    uuid = run_uuid(run_dir)
+    attempts = sorted((tmp_path / "wandb-files" / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(path.name.endswith(f"-{uuid}") for path in attempts)
+    rows = [row for path in attempts for row in offline_history(path / f"run-{uuid}.wandb")]
+    assert sorted(step for step, keys in rows if "loss" in keys) == list(range(1, STEPS + 1))
+    assert sorted(step for step, keys in rows if "eval_f1" in keys) == [5, 10, 15, 20]
+
+
+@pytest.mark.long
+def test_trackers_that_raise_or_hang_are_dropped_with_one_warning_each_and_training_finishes(
+    tmp_path: Path, cache_dir: Path, empty_store: Path
+) -> None:
+    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    mlflow = ("log.trackers=[mlflow]", f"log.mlflow.tracking_uri={mlflow_store(empty_store, db)}")
+    train(run_dir, cache_dir, *COMMON, *mlflow, module="tests.observe.faulty_trackers")
+    events = read_events(run_dir)
+    dropped = sorted(e["tracker"] for e in events if e["event"] == "tracker_dropped")
+    assert dropped == ["hanging", "raising"]
+    assert [e["step"] for e in events if e["event"] == "train_done"] == [STEPS]
+    (run,) = mlflow_runs(db)  # the healthy tracker beside them got everything
+    assert mlflow_steps(db, run.info.run_id, "loss") == list(range(1, STEPS + 1))
