@@ -12,7 +12,7 @@ from elastic_qa.observe.follow import read_events
 from tests.integration.test_elastic import MAX_STEPS, finish, held_at, join_while_held, run_job, world_sizes
 from tests.observe.test_tracker_runs import empty_store, mlflow_runs, mlflow_steps, mlflow_store
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]
+pytestmark = pytest.mark.integration
 __all__ = ["empty_store"]  # the fixture, used by name
 
 
@@ -22,6 +22,7 @@ def mlflow_series(db: Path) -> dict[str, list[int]]:
     return {metric: mlflow_steps(db, run.info.run_id, metric) for metric in ("loss", "world_size")}
 
 
+@pytest.mark.long  # the join below covers a regroup in the default run
 def test_rank_0_killed_under_torchrun_continues_the_mlflow_run_with_every_step_once(
     tmp_path: Path, cache_dir: Path, empty_store: Path
 ) -> None:

@@ -134,7 +134,6 @@ def test_a_second_start_continues_the_wandb_offline_run_and_skips_the_steps_it_h
     assert sorted(step for step, keys in rows if "eval_f1" in keys) == [5, 10]
 
 
-@pytest.mark.long
 def test_an_mlflow_run_continues_across_a_kill_and_resume_with_every_step_logged_once(
     tmp_path: Path, cache_dir: Path, empty_store: Path
 ) -> None:
@@ -163,7 +162,11 @@ def test_a_wandb_offline_run_keeps_its_id_across_a_kill_and_logs_every_step_once
     uuid = run_uuid(run_dir)
     attempts = sorted((tmp_path / "wandb-files" / "wandb").glob("offline-run-*"))
     assert len(attempts) == 2 and all(path.name.endswith(f"-{uuid}") for path in attempts)
-    rows = [row for path in attempts for row in offline_history(path / f"run-{uuid}.wandb")]
+    # A killed attempt may end before W&B's service wrote its file: what it had not sent for certain then is
+    # in the checkpoint's backlog, which the next attempt logs.
+    files = [path / f"run-{uuid}.wandb" for path in attempts if (path / f"run-{uuid}.wandb").exists()]
+    assert files and files[-1].parent == attempts[-1]
+    rows = [row for path in files for row in offline_history(path)]
     assert sorted(step for step, keys in rows if "loss" in keys) == list(range(1, STEPS + 1))
     assert sorted(step for step, keys in rows if "eval_f1" in keys) == [5, 10, 15, 20]
 
