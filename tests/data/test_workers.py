@@ -19,17 +19,16 @@ from elastic_qa.data.features import BuiltinFeaturizer
 from elastic_qa.data.sources import ExampleReader
 from elastic_qa.data.synthetic import write_squad_file
 
-PARENT = os.getpid()
-
 
 class InHelpers(BuiltinFeaturizer):
     """The built-in featurizer, except in a helper process, where it does `what`."""
 
     def __init__(self, what: str) -> None:
         self.what = what
+        self.parent = os.getpid()  # travels with the featurizer, whether helpers are forked or spawned
 
     def features(self, examples, cfg):
-        if os.getpid() != PARENT:
+        if os.getpid() != self.parent:
             if self.what == "raise":
                 raise ValueError("no room for this window")
             if self.what == "unpicklable":
