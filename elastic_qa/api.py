@@ -260,7 +260,7 @@ def predict(
     """Answer each question from its context, in order, with a model loaded once (a run directory, a
     checkpoints directory, a step directory or an export). `questions`: {"question", "context"} dicts or
     (question, context) pairs. `null_threshold` defaults to the model's eval.null_threshold."""
-    from elastic_qa.evaluation import answer_questions
+    from elastic_qa.evaluation import answer_questions, answer_record
 
     pairs = [_pair(i, item) for i, item in enumerate(questions)]
     if not pairs:
@@ -269,20 +269,13 @@ def predict(
     threshold = loaded.cfg.eval.null_threshold if null_threshold is None else null_threshold
     answers = []
     for p in answer_questions(loaded, pairs, device, threshold):
-        answered, has_span = bool(p.answer), bool(p.span)
-        answers.append(
-            Answer(
-                p.answer,
-                p.start_char if answered else None,
-                p.end_char if answered else None,
-                p.score,
-                p.null_odds,
-                not answered,
-                p.span,
-                p.start_char if has_span else None,
-                p.end_char if has_span else None,
-            )
-        )
+        record = answer_record(p, threshold)
+        best = record["best_span"] or {"text": "", "start": None, "end": None}
+        answer = Answer(
+            record["answer"], record["start"], record["end"], record["score"], record["null_odds"],
+            not record["answer"], best["text"], best["start"], best["end"],
+        )  # fmt: skip
+        answers.append(answer)
     return answers
 
 

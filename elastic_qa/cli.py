@@ -12,6 +12,7 @@
     elastic-qa bench throughput|checkpoint|probe|resume|recovery|scaling|drift|prepare [...]
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR                           one self-contained HTML page of a run
+    elastic-qa serve MODEL [--port N] [--max-batch N] [...]   answer questions over HTTP (JSON API, a page)
     elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
                                                         this host's part of a multi-node job (torchrun)
 
@@ -143,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from elastic_qa.evaluation import answer_questions
+    from elastic_qa.evaluation import answer_questions, answer_record
     from elastic_qa.export import load_for_prediction
 
     device = _device()
@@ -152,16 +153,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
     [p] = answer_questions(loaded, [(args.question, args.context)], device, threshold)
     if args.json:
-        answered = bool(p.answer)
-        print(json.dumps({
-            "answer": p.answer,
-            "start": p.start_char if answered else None,
-            "end": p.end_char if answered else None,
-            "score": p.score,
-            "null_odds": p.null_odds,
-            "null_threshold": threshold,
-            "best_span": {"text": p.span, "start": p.start_char, "end": p.end_char} if p.span else None,
-        }, ensure_ascii=False))  # fmt: skip
+        print(json.dumps(answer_record(p, threshold), ensure_ascii=False))
         return 0
     print(p.answer if p.answer else "(no answer in the context)")
     return 0
@@ -268,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmarks: throughput, checkpoint, probe, resume, recovery, scaling, drift, prepare"
     )
     sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
+    sub.add_parser("serve", help="answer questions over HTTP: a JSON API and a page (docs/serve.md)")
     sub.add_parser("node", help="this host's part of a multi-node job (torchrun agent, store host, network)")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir", help="the run directory (run.dir)")
@@ -304,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastic_qa.launcher.node import main as node_main
 
         return node_main(argv[1:])
+    if argv[:1] == ["serve"]:  # likewise: `elastic-qa serve --help`
+        from elastic_qa.serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["chaos"]:  # likewise: `elastic-qa chaos run --help`
         from elastic_qa.chaos.cli import main as chaos_main
 

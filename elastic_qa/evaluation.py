@@ -269,6 +269,22 @@ def answer_questions(
     return [predictions[example.id] for example in examples]
 
 
+def answer_record(p: Prediction, null_threshold: float) -> dict[str, Any]:
+    """One prediction as `elastic-qa ask --json` prints it (also the Python API's predict and `elastic-qa
+    serve`): the answer and its characters in the context (end exclusive; None when no answer), score,
+    null_odds, the threshold applied, and the best span whatever the threshold (None when there is none)."""
+    answered = bool(p.answer)
+    return {
+        "answer": p.answer,
+        "start": p.start_char if answered else None,
+        "end": p.end_char if answered else None,
+        "score": p.score,
+        "null_odds": p.null_odds,
+        "null_threshold": null_threshold,
+        "best_span": {"text": p.span, "start": p.start_char, "end": p.end_char} if p.span else None,
+    }
+
+
 def squad_v2_evaluation(
     loaded: PredictionModel,
     examples: Sequence[QAExample],

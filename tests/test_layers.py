@@ -5,7 +5,7 @@
 2  state, optim, evaluation, export, output_paths
 3  elastic (control plane, session, fencing, signals, watchdog)
 4  trainer
-5  entry points: train, cli, ckpt, bench, chaos, launcher, api (who may use whom: ENTRY_USES; none of
+5  entry points: train, cli, ckpt, bench, chaos, launcher, api, serve (who may use whom: ENTRY_USES; none of
    them is imported by anything below, but for the package root's lazy re-export of the Python API:
    `elastic_qa.fit` is `elastic_qa.api.fit`)
 """
@@ -26,10 +26,11 @@ LAYERS = {
     "elastic": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,
+    "serve": 5,
 }  # fmt: skip
 # Among the entry points, who may use whom (a subprocess is not an import).
 ENTRY_USES = {
-    "cli": {"train", "ckpt", "bench", "chaos", "launcher"},
+    "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve"},
     "bench": {"chaos", "launcher"},
     "chaos": {"launcher"},
     "api": {"train", "cli", "launcher"},
