@@ -35,6 +35,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README
     prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
     recipe       fine-tuning a pretrained encoder: the product vs a plain transformers Trainer script
     gpu          one GPU: nccl, bf16/fp16, async saves, a killed worker resumed; checks pass or fail
+    serve        `elastic-qa serve` under N concurrent clients: p50/p99, requests/s, RSS, batching vs none
 
 Every benchmark takes --json PATH, --work-dir DIR and --help and prints a table; those that time things
 take --reps N, report medians with their min..max spread and run compared variants alternately (drift is
@@ -55,6 +56,7 @@ BENCHMARKS = (
     "prepare",
     "recipe",
     "gpu",
+    "serve",
 )
 
 
