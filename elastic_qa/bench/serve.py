@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests", type=positive_int, default=200, help="requests per client (default 200)"
     )
     parser.add_argument("--max-batch", type=positive_int, default=32, help="the batching variant's (32)")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the batching variant's (5)")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="the batching variant's (0)")
     return parser
 
 

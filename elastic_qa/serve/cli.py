@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-wait-ms",
         type=_milliseconds,
-        default=timedelta(milliseconds=5),
-        help="how long the first waiting question waits for others to join its batch (default 5)",
+        default=timedelta(0),
+        help="how long the first waiting question waits for others to join its batch (default 0: a call "
+        "takes what is queued; under load, requests queue while the model runs)",
     )
     p.add_argument("--no-batching", action="store_true", help="one question per model call (--max-batch 1)")
     p.add_argument(
