@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from elastic_qa.bench.common import (
     BenchError,
+    UsageError,
     alternate,
     new_parser,
     positive_int,
@@ -241,6 +242,10 @@ def train_tiny(work: Path) -> str:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    if not 0 <= args.max_wait_ms <= 60_000:
+        raise UsageError(f"--max-wait-ms {args.max_wait_ms:g}: expected milliseconds from 0 to 60000")
     model = args.model or train_tiny(work)
     variants = {
         "batching": ["--max-batch", str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms)],

@@ -92,6 +92,7 @@ BAD = [
     ({"questions": [{"question": "q", "context": "c" * 201}]}, 413,
      "questions[0].context: 201 characters, at most 200"),
     (b" " * 2001, 413, "body: 2001 bytes, at most 2000"),
+    (b" " * (1 << 20), 413, "body: 1048576 bytes, at most 2000"),  # read and dropped before the reply
 ]  # fmt: skip
 
 

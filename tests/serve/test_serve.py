@@ -205,3 +205,19 @@ def test_the_page_shows_the_answer_highlighted_and_html_in_a_question_as_text(
         shot = browser.screenshot(tmp_path / "serve.png")
     if os.environ.get("EQA_SHOTS"):
         shutil.copy(shot, Path(os.environ["EQA_SHOTS"]) / "serve.png")
+
+
+def test_bench_serve_reports_both_variants_and_checks_their_answers(trained: Path, tmp_path: Path) -> None:
+    from elastic_qa.bench.cli import main as bench_main
+
+    out = tmp_path / "figures.json"
+    argv = ["serve", "--model", str(trained), "--clients", "2", "--requests", "5", "--reps", "1"]
+    assert bench_main([*argv, "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["figures"]) == {"batching", "no batching"}
+    for figures in result["figures"].values():
+        assert figures["p50_ms"]["median"] <= figures["p99_ms"]["median"]
+        assert figures["requests_per_s"]["median"] > 0 and figures["rss_after_mib"]["median"] > 0
+    assert result["figures"]["no batching"]["mean_batch"]["median"] == 1.0
+    assert result["largest_score_difference"] <= SCORE_TOLERANCE
+    assert bench_main(["serve", "--model", str(tmp_path / "nothing")]) == 2
