@@ -182,27 +182,34 @@ def test_a_model_that_does_not_load_or_a_taken_port_exits_2_with_one_line(
 
 @pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
 def test_the_page_shows_the_answer_highlighted_and_html_in_a_question_as_text(
-    server: ServerProcess, tmp_path: Path
+    trained: Path, tmp_path: Path
 ) -> None:
-    context = "bako lives in rome . bako owns a red car ."
-    question = "what does bako own ? <img src=x onerror=\"document.title='pwned'\">"
-    expected = post(server.url, {"question": question, "context": context})[1]
-    with Browser(tmp_path) as browser:
-        browser.get(server.url)
-        browser.type("#context-input", context)
-        browser.type("#question", question)
-        browser.click("#submit")
-        browser.wait_for("return !document.getElementById('result').hidden", "the answer to appear")
-        assert browser.text("#asked") == f"Q: {question}"  # shown as text, not made an element
-        assert browser.run("return document.querySelectorAll('#result img').length") == 0
-        assert browser.run("return document.title") == "elastic-qa serve"
-        shown = expected["answer"] or "(no answer in the context)"
-        assert browser.text("#answer") == shown
-        marked = expected["best_span"]["text"] if not expected["answer"] else expected["answer"]
-        assert browser.text("#context mark") == marked
-        assert browser.text("#context") == context
-        assert browser.console_errors() == []
-        shot = browser.screenshot(tmp_path / "serve.png")
+    answering = start_server(str(trained), ["--null-threshold=1e9"], tmp_path / "stderr", cwd=REPO)
+    try:
+        context = "bako lives in rome . bako owns a red car ."
+        question = "what does bako own ? <img src=x onerror=\"document.title='pwned'\">"
+        expected = post(answering.url, {"question": question, "context": context})[1]
+        assert expected["answer"]  # every question is answered at this threshold
+        with Browser(tmp_path) as browser:
+            browser.get(answering.url)
+            browser.type("#context-input", context)
+            browser.type("#question", question)
+            browser.click("#submit")
+            browser.wait_for("return !document.getElementById('result').hidden", "the answer to appear")
+            assert browser.text("#asked") == f"Q: {question}"  # shown as text, not made an element
+            assert browser.run("return document.querySelectorAll('#result img').length") == 0
+            assert browser.run("return document.title") == "elastic-qa serve"
+            assert browser.text("#answer") == expected["answer"]
+            assert browser.text("#context mark.answer") == expected["answer"]
+            assert (
+                browser.run("return document.querySelector('#context mark').previousSibling.textContent")
+                == (context[: expected["start"]])
+            )
+            assert browser.text("#context") == context
+            assert browser.console_errors() == []
+            shot = browser.screenshot(tmp_path / "serve.png")
+    finally:
+        assert answering.stop() == 0
     if os.environ.get("EQA_SHOTS"):
         shutil.copy(shot, Path(os.environ["EQA_SHOTS"]) / "serve.png")
 
