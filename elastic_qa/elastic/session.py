@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
 from elastic_qa.checkpoint.policy import SaveSchedule
@@ -41,7 +42,7 @@ from elastic_qa.checkpoint.run_record import (
     write_record,
 )
 from elastic_qa.checkpoint.state import rng_state, versions
-from elastic_qa.checkpoint.store import CheckpointError, open_store, step_dir_name
+from elastic_qa.checkpoint.store import CheckpointError, step_dir_name
 from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook

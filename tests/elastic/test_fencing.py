@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.checkpoint.store import CheckpointStore, StaleWriterError
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.store import StaleWriterError
 from elastic_qa.elastic.fencing import Fence
 
 
 def _register_after(barrier, url: str, results) -> None:
     barrier.wait()
-    results.put(Fence(CheckpointStore(url)).register(world_size=1))
+    results.put(Fence(open_store(url)).register(world_size=1))
 
 
 def test_processes_registering_at_the_same_moment_each_get_their_own_attempt(tmp_path: Path) -> None:
@@ -44,7 +45,7 @@ def test_threads_registering_on_a_store_without_rename_each_get_their_own_attemp
 
     def register() -> None:
         barrier.wait()
-        number = Fence(CheckpointStore(url)).register(world_size=1)
+        number = Fence(open_store(url)).register(world_size=1)
         with lock:
             numbers.append(number)
 
@@ -57,7 +58,7 @@ def test_threads_registering_on_a_store_without_rename_each_get_their_own_attemp
 
 
 def test_a_registered_attempt_fences_every_older_one(tmp_path: Path) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     old, new = Fence(store), Fence(store)
     old.register(world_size=2)
     new.register(world_size=2)
@@ -73,4 +74,4 @@ def test_attempt_files_of_earlier_versions_still_count(tmp_path: Path) -> None:
     attempts.mkdir(parents=True)
     (attempts / "attempt-00000007.json").write_text('{"attempt": 7}')
 
-    assert Fence(CheckpointStore(str(tmp_path / "ckpt"))).register(world_size=1) == 8
+    assert Fence(open_store(str(tmp_path / "ckpt"))).register(world_size=1) == 8
