@@ -1,9 +1,10 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
 0  the package root, config, exits, network, liveness, run_length
-1  dist, data, models, observe, checkpoint, metrics, debug, holds, compile
+1  dist, data, models, observe, checkpoint (stores, commit protocol, fencing), metrics, debug, holds,
+   compile
 2  state, optim, evaluation, export, output_paths
-3  elastic (control plane, session, fencing, signals, watchdog)
+3  elastic (control plane, session, signals, watchdog)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher, api (who may use whom: ENTRY_USES; none of
    them is imported by anything below, but for the package root's lazy re-export of the Python API:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
 from elastic_qa.checkpoint.policy import SaveSchedule
@@ -47,7 +48,6 @@ from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext, all_gather_bytes
-from elastic_qa.elastic.fencing import Fence
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.run_length import end_step, length_text

@@ -24,10 +24,10 @@ import traceback
 import torch
 
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
 from elastic_qa.config import CheckpointConfig
-from elastic_qa.elastic.fencing import Fence
 from elastic_qa.observe.log import configure_logging
 
 MODEL_FLOATS = 512 * 1024  # 2 MiB

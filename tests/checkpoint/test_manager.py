@@ -12,11 +12,11 @@ import torch
 
 from elastic_qa.checkpoint import manager as manager_module
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, step_dir_name
 from elastic_qa.config import CheckpointConfig
-from elastic_qa.elastic.fencing import Fence
 from tests.checkpoint.faulty_fs import faults
 from tests.checkpoint.helpers import (
     Trainee,

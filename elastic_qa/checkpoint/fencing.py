@@ -30,7 +30,8 @@ import re
 import time
 import uuid
 
-from elastic_qa.checkpoint.store import CheckpointStore, StaleWriterError
+from elastic_qa.checkpoint.errors import StaleWriterError
+from elastic_qa.checkpoint.store import CheckpointStore
 
 # attempt-00000007.json (one claim per number, written by older versions) or attempt-00000007.<token>.json
 _CLAIM = re.compile(r"attempt-(\d{8,})(?:\.([0-9a-f]{16}))?\.json$")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.store import StaleWriterError
-from elastic_qa.elastic.fencing import Fence
 
 
 def _register_after(barrier, url: str, results) -> None:
