@@ -33,7 +33,7 @@ from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
-from elastic_qa.state import ResumeError
+from elastic_qa.train_state import ResumeError
 from elastic_qa.trainer import Trainer
 
 

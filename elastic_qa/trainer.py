@@ -9,7 +9,8 @@
     evaluate, final checkpoint (committed and verified), train_done
 
 What every rank must agree on and the phases a worker goes through (running, stopping, emergency, done)
-are in elastic/control.py; what a checkpoint holds in state.py; how it is saved in elastic/session.py.
+are in elastic/control.py; what a checkpoint holds in train_state.py; how it is saved in
+elastic/session.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers, check_installed
 from elastic_qa.optim import build_optimizer, build_scheduler
 from elastic_qa.run_length import end_step
-from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
+from elastic_qa.train_state import ResumeError, TrainState, seed_step_rng, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
 TARGETS = ("start_positions", "end_positions", "weights")

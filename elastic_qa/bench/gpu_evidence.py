@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.chaos.evidence import check_ledger, checkpoint_store, run_config
-from elastic_qa.checkpoint.state import TRAINER_FILE
+from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import step_dir_name
 from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for

@@ -33,7 +33,7 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import bench_config, events_of, run_logged, start_tied, worker_env
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.state import TRAINER_FILE
+from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for

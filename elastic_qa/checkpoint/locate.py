@@ -20,7 +20,7 @@ import yaml
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.state import TRAINER_FILE
+from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_dir_name, step_of
 from elastic_qa.config import CheckpointConfig
 

@@ -31,6 +31,7 @@ from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
+from elastic_qa.checkpoint.payload import rng_state, versions
 from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.run_record import (
     RunRecord,
@@ -42,7 +43,6 @@ from elastic_qa.checkpoint.run_record import (
     resolved_run_dir,
     write_record,
 )
-from elastic_qa.checkpoint.state import rng_state, versions
 from elastic_qa.checkpoint.store import CheckpointError, step_dir_name
 from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
@@ -51,7 +51,7 @@ from elastic_qa.dist import DistContext, all_gather_bytes
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.run_length import end_step, length_text
-from elastic_qa.state import ResumeError, TrainState, gather_rng_states
+from elastic_qa.train_state import ResumeError, TrainState, gather_rng_states
 
 _MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
 

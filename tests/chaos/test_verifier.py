@@ -11,7 +11,7 @@ import torch
 from elastic_qa.chaos.evidence import run_config
 from elastic_qa.chaos.verify import judge_faults, verify_run
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.state import MODEL_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE
 from elastic_qa.checkpoint.store import serialize
 from elastic_qa.observe.follow import read_events
 from tests.chaos.conftest import STEPS

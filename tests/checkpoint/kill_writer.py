@@ -26,7 +26,7 @@ import torch
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
 from elastic_qa.config import CheckpointConfig
 from elastic_qa.observe.log import configure_logging
 

@@ -18,7 +18,7 @@ from elastic_qa import ckpt as inspect
 from elastic_qa.checkpoint import locate
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, serialize, step_dir_name
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig

@@ -14,7 +14,7 @@ from elastic_qa.checkpoint import manager as manager_module
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, step_dir_name
 from elastic_qa.config import CheckpointConfig
 from tests.checkpoint.faulty_fs import faults

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import (
     MANIFEST,
     REJECTED_DIR,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_qa.checkpoint.state import check_safe, cpu_copy, rng_state, set_rng_state, versions
+from elastic_qa.checkpoint.payload import check_safe, cpu_copy, rng_state, set_rng_state, versions
 from elastic_qa.config import load_config, packaged_config
 from tests.checkpoint.helpers import Trainee, trainer_state
 

@@ -31,7 +31,7 @@ import torch
 
 from elastic_qa.checkpoint.best import BestTracker
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
-from elastic_qa.checkpoint.state import (
+from elastic_qa.checkpoint.payload import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     TRAINER_FILE,

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe
 from elastic_qa.config import load_config, packaged_config
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.dist import DistContext
 from elastic_qa.optim import build_optimizer, build_scheduler
-from elastic_qa.state import STATE_FORMAT, ResumeError, TrainState
+from elastic_qa.train_state import STATE_FORMAT, ResumeError, TrainState
 
 CTX = DistContext(0, 1, 0, torch.device("cpu"), None, 1)
 

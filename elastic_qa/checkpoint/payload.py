@@ -1,4 +1,4 @@
-"""Gather and apply the full training state in a form `torch.load(weights_only=True)` accepts.
+"""A checkpoint's payload: its file names, and state in a form `torch.load(weights_only=True)` accepts.
 
 Only tensors, numbers, strings, bools, None, lists, tuples and dicts go in: no pickled classes, so loading a
 checkpoint can never run code from it. numpy's RNG state (which holds an ndarray) is stored as a tensor.
