@@ -176,8 +176,8 @@ def export_checkpoint(path: str, out: Path, force: bool = False, best: bool = Fa
 
 
 def _follow_umask(directory: Path) -> None:
-    """Give what the model family wrote the modes the umask asks for, as README promises: safetensors
-    writes its file through a private temporary file (0600), whatever the umask."""
+    """Give what the model family wrote the modes the umask asks for, as docs/evaluation.md promises:
+    safetensors writes its file through a private temporary file (0600), whatever the umask."""
     umask = os.umask(0)
     os.umask(umask)  # read, not changed: there is no call that only reads it
     for path in directory.rglob("*"):

@@ -74,7 +74,19 @@ def test_every_unit_of_the_package_has_a_layer() -> None:
         unit(".".join(p.relative_to(REPO).with_suffix("").parts)) for p in (REPO / "elastic_qa").rglob("*.py")
     }
     units.discard("__init__")
-    assert units - set(LAYERS) == set(), "give the new module a layer in this test and in the README"
+    assert units - set(LAYERS) == set(), "give the new module a layer in this test and in docs/layout.md"
+
+
+def test_the_layout_page_names_every_module_and_package() -> None:
+    """docs/layout.md lists the package's parts: each top-level module (name.py) and package (name/)."""
+    layout = (REPO / "docs" / "layout.md").read_text()
+    parts = [
+        p.name + ("/" if p.is_dir() else "")
+        for p in (REPO / "elastic_qa").iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
+    ]
+    assert parts, "no modules found"
+    assert [p for p in parts if p not in layout] == [], "name them in docs/layout.md"
 
 
 def test_no_module_imports_a_layer_above_it_or_an_entry_point() -> None:

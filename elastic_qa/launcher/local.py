@@ -5,8 +5,8 @@ In a checkout `launch/local.sh` runs this module with the checkout's .venv; inst
 
 Every agent runs `torchrun --nnodes=MIN:MAX --nproc_per_node=P --rdzv_backend=c10d` on a free port with
 its own log file under <run.dir>/agents/, with the settings of `elastic_qa.launcher.rendezvous`. Two torch
-2.13 traps are handled here (see README): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly
-one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
+2.13 traps are handled here (see docs/running.md): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and
+exactly one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
 <run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line in
 <run.dir>/agents/launch.jsonl; the terminal gets the job's progress and sentences (launcher/terminal.py).
 The agents `start` launches are tied to it: if it dies, however it dies, they get SIGTERM and stop.

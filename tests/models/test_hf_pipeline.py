@@ -45,7 +45,7 @@ json.dump({"version": transformers.__version__, "answers": answers}, sys.stdout)
 
 
 def pipeline_arguments(cfg: Config) -> dict:
-    """The pipeline's arguments that decide as `ask` does with this config (see the README's export part)."""
+    """The pipeline's arguments that decide as `ask` does with this config (see docs/evaluation.md)."""
     return {
         "max_seq_len": cfg.data.max_seq_len,
         "doc_stride": cfg.data.doc_stride,  # both: tokens shared by consecutive windows

@@ -1,4 +1,5 @@
-"""Measure the multi-host scenarios of the README with `elastic-qa node` on namespace hosts (needs root).
+"""Measure the multi-host scenarios of docs/several-hosts.md with `elastic-qa node` on namespace hosts
+(needs root).
 
     python -m tests.multinode.measure [--scenarios formation,node-loss,...] [--out FILE.jsonl]
 
