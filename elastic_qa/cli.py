@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
-            from elastic_qa.observe.report import render_report
             from elastic_qa.output_paths import refuse_managed_output
+            from elastic_qa.report.page import render_report
 
             if args.out:
                 refuse_managed_output(args.out, "--out")

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_qa.observe.charts import Marker, Series, line_chart
-from elastic_qa.observe.charts import escape as _esc
 from elastic_qa.observe.follow import read_events
-from elastic_qa.observe.summary import attempts, duration, idle_gaps, read_config, run_summary
+from elastic_qa.report.charts import Marker, Series, line_chart
+from elastic_qa.report.charts import escape as _esc
+from elastic_qa.report.summary import attempts, duration, idle_gaps, read_config, run_summary
 
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 FAULT_TAGS_UP_TO = 20  # more faults than this are marked by ticks alone (numbers would overlap)
