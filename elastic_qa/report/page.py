@@ -111,9 +111,10 @@ def summary_html(facts: dict[str, Any]) -> str:
     return f'<div class="cards">{"".join(cards)}</div>{config_html}'
 
 
-def _charts(
+def charts_html(
     events: list[dict], config: dict, reference_dir: Path | None, faults: Sequence[dict[str, Any]]
 ) -> list[str]:
+    """The report's charts, each a <figure> of inline SVG (every label escaped); `events` in time order."""
     t0, end = events[0]["ts"], events[-1]["ts"] - events[0]["ts"]
     runs = attempts(events, t0)
     gaps = idle_gaps(runs, end)
@@ -172,11 +173,17 @@ def _charts(
         for i, f in enumerate(faults, start=1)
         if isinstance(f.get("ts"), (int, float)) and not f.get("skipped")
     ]
+    markers += [
+        Marker(run.start, f"attempt {run.attempt} started with {run.world_size} workers (a regroup)", "#888")
+        for run in runs[1:]
+    ]
     world = [
         Series("world size", [(run.start, run.world_size), (run.end, run.world_size)], "#222", i == 0, 2.2)
         for i, run in enumerate(r for r in runs if r.world_size)
     ]
-    title = "World size over time (green ticks: checkpoint commits" + (", red: faults)" if faults else ")")
+    title = "World size over time (ticks: green a checkpoint commit, grey a regroup" + (
+        ", red a fault)" if faults else ")"
+    )
     charts.append(
         line_chart(
             title,
@@ -245,7 +252,8 @@ def _charts(
     return charts
 
 
-def _attempts_table(events: list[dict]) -> str:
+def attempts_html(events: list[dict]) -> str:
+    """The attempts table, as HTML (every value escaped)."""
     rows = []
     for run in attempts(events, events[0]["ts"]):
         first = "—" if run.first_step is None else run.first_step
@@ -287,9 +295,9 @@ def render_report(
         summary_html(run_summary(events, config)),
         "<h2>Charts</h2>",
         '<div class="charts">',
-        *_charts(events, config, reference_dir, faults),
+        *charts_html(events, config, reference_dir, faults),
         "</div>",
-        _attempts_table(events),
+        attempts_html(events),
     ]
     page = (
         f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
