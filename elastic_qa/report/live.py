@@ -219,8 +219,9 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
         if name == "worker_start" and rank == 0:
             text = f"attempt {event.get('attempt')} started with {event.get('world_size')} workers"
         elif name == "resume" and rank == 0:
-            text = (
-                f"resumed from step {event.get('step')} (saved at world size {event.get('saved_world_size')})"
+            saved = event.get("saved_world_size")
+            text = f"resumed from step {event.get('step')}" + (
+                f" (saved at world size {saved})" if saved else ""
             )
         elif name in ENDINGS:
             detail = event.get("error") or event.get("reason") or ""
