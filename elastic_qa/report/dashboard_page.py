@@ -17,7 +17,8 @@ EXTRA_STYLE = """
 .bar{height:10px;background:#e1e4e8;border-radius:5px;overflow:hidden;margin:6px 0 2px}
 .bar>div{height:100%;background:#2f7d32;width:0}
 .cols{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px}
-.cols td{overflow-wrap:anywhere} #conn{color:#a11d1d;font-weight:600} .cards{grid-template-columns:repeat(auto-fit,minmax(150px,1fr))}
+.cols td{overflow-wrap:anywhere} #conn{color:#a11d1d;font-weight:600}
+.cards{grid-template-columns:repeat(auto-fit,minmax(150px,1fr))}
 """
 
 SCRIPT = """

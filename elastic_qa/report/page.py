@@ -20,7 +20,7 @@ from elastic_qa.report.charts import escape as _esc
 from elastic_qa.report.summary import attempts, duration, idle_gaps, read_config, run_summary
 
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-FAULT_TAGS_UP_TO = 20  # more faults than this are marked by ticks alone (numbers would overlap)
+FAULT_TAGS_UP_TO = 20  # more faults (or regroups) than this are marked by ticks alone (tags would overlap)
 
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;padding:20px 28px;
@@ -174,15 +174,20 @@ def charts_html(
         if isinstance(f.get("ts"), (int, float)) and not f.get("skipped")
     ]
     markers += [
-        Marker(run.start, f"attempt {run.attempt} started with {run.world_size} workers (a regroup)", "#888")
+        Marker(
+            run.start,
+            f"attempt {run.attempt} started with {run.world_size} workers (a regroup)",
+            "#666",
+            "↻" if len(runs) <= FAULT_TAGS_UP_TO else "",
+        )
         for run in runs[1:]
     ]
     world = [
         Series("world size", [(run.start, run.world_size), (run.end, run.world_size)], "#222", i == 0, 2.2)
         for i, run in enumerate(r for r in runs if r.world_size)
     ]
-    title = "World size over time (ticks: green a checkpoint commit, grey a regroup" + (
-        ", red a fault)" if faults else ")"
+    title = "World size over time (↻ a regroup; green ticks: checkpoint commits" + (
+        ", red: faults)" if faults else ")"
     )
     charts.append(
         line_chart(
