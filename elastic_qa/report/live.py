@@ -26,6 +26,9 @@ from elastic_qa.report.summary import attempts, read_config, run_summary
 READ_CAP = 4 << 20  # bytes read from one file per refresh: the work of a poll stays bounded
 RATE_WINDOW = 50  # rank 0's latest steps the ETA is measured over
 RECENT = 30  # rows of the checkpoint, fault and timeline tables
+CHART_STEPS = 1500  # steps drawn per chart line at most: a page redrawn every second stays small
+COST_SHARE = 0.25  # at most this share of the time goes to recomputing the state of a run that grows
+CHEAP_S = 0.05  # a state computed faster than this is recomputed whenever something new was read
 CHECKPOINT_EVENTS = {
     "checkpoint_committed": "committed",
     "checkpoint_rejected": "rejected",
@@ -92,6 +95,7 @@ class LiveRun:
         self._tails: dict[Path, Tail] = {}
         self._lock = threading.Lock()
         self._cached: dict[str, Any] | None = None
+        self._computed_at, self._cost = 0.0, 0.0  # when the cached state was computed, in how long
 
     def _tail(self, path: Path) -> Tail | None:
         if path not in self._tails and inside(self.root, path):
@@ -119,7 +123,6 @@ class LiveRun:
                 self.faults += faults
                 self.launcher += launcher
                 self.version += 1
-                self._cached = None
 
     def behind(self) -> bool:
         """Whether some file holds more than the last refresh read."""
@@ -130,9 +133,14 @@ class LiveRun:
         always current)."""
         now = time.time() if now is None else now
         with self._lock:
-            if self._cached is None:
+            # A long run's state costs time to compute (0.2 s at 20,000 log lines): while it grows, the
+            # state is recomputed no sooner than its cost allows, and meanwhile the last one is served.
+            due = self._cost < CHEAP_S or self._computed_at + self._cost / COST_SHARE <= time.monotonic()
+            if self._cached is None or (self._cached["version"] != self.version and due):
+                started = time.monotonic()
                 self._cached = live_state(self.events, self.faults, self.launcher, self.config)
                 self._cached["version"] = self.version
+                self._computed_at, self._cost = time.monotonic(), time.monotonic() - started
             state = self._cached
         last = self.events[-1]["ts"] if self.events else None
         return {
@@ -236,6 +244,20 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     return rows[-RECENT:]
 
 
+def _thinned(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events with at most about CHART_STEPS step lines per rank and attempt (every k-th step, the same
+    steps on every rank), for the charts: drawn a few hundred pixels wide, more points show nothing more."""
+    steps = sum(1 for e in events if e.get("event") == "step" and e.get("rank") == 0)
+    every = -(-steps // CHART_STEPS)
+    if every <= 1:
+        return events
+    return [
+        e
+        for e in events
+        if e.get("event") != "step" or not isinstance(e.get("step"), int) or e["step"] % every == 0
+    ]
+
+
 def live_state(
     events: list[dict[str, Any]],
     faults: list[dict[str, Any]],
@@ -297,7 +319,7 @@ def live_state(
         timeline=_timeline(events, t0),
         html={
             "summary": summary_html(facts),
-            "charts": "".join(charts_html(events, config, None, faults)),
+            "charts": "".join(charts_html(_thinned(events), config, None, faults)),
             "attempts": attempts_html(events),
         },
     )

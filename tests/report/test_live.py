@@ -136,3 +136,23 @@ def test_symlinks_are_not_followed_whether_they_leave_the_run_or_not(tmp_path: P
     run.refresh()
     plain.refresh()
     assert len(run.events) == len(plain.events)  # again.jsonl, a link within the run, is not read either
+
+
+def test_a_long_run_is_drawn_from_every_kth_step_alike_on_every_rank_and_its_counts_stay_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    for rank in range(2):
+        rows = [line("worker_start", 0.0, rank, 1, 2)]
+        rows += [line("step", step / 10, rank, 1, 2, step=step, loss=1.0) for step in range(1, 61)]
+        (logs / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(live, "CHART_STEPS", 10)
+    run = LiveRun(tmp_path / "run")
+    run.refresh()
+    drawn = live._thinned(run.events)
+    for rank in range(2):
+        kept = [e["step"] for e in drawn if e["event"] == "step" and e["rank"] == rank]
+        assert kept == list(range(6, 61, 6))
+    assert [e for e in drawn if e["event"] != "step"] == [e for e in run.events if e["event"] != "step"]
+    assert run.state()["step"] == 60 and run.state()["members"][1]["step"] == 60
