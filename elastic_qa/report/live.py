@@ -225,7 +225,8 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     for event in events:
         name, rank = event.get("event"), event.get("rank")
         if name == "worker_start" and rank == 0:
-            text = f"attempt {event.get('attempt')} started with {event.get('world_size')} workers"
+            size = event.get("world_size")
+            text = f"attempt {event.get('attempt')} started with {size} worker{'' if size == 1 else 's'}"
         elif name == "resume" and rank == 0:
             saved = event.get("saved_world_size")
             text = f"resumed from step {event.get('step')}" + (
@@ -307,7 +308,7 @@ def live_state(
         status=name,
         step=facts["step"],
         max_steps=facts["max_steps"],
-        eta_s=None if facts["finished"] else _eta(events, attempt or 0, facts["step"], facts["max_steps"]),
+        eta_s=_eta(events, attempt or 0, facts["step"], facts["max_steps"]) if name == "training" else None,
         world_size=newest.world_size if newest else 0,
         attempt=attempt,
         restarts=facts["restarts"],

@@ -176,7 +176,8 @@ def charts_html(
     markers += [
         Marker(
             run.start,
-            f"attempt {run.attempt} started with {run.world_size} workers (a regroup)",
+            f"attempt {run.attempt} started with {run.world_size} worker{'' if run.world_size == 1 else 's'}"
+            " (a regroup)",
             "#666",
             "↻" if len(runs) <= FAULT_TAGS_UP_TO else "",
         )
