@@ -4,7 +4,9 @@
 long finished run is caught up over a few polls, never in one), and only regular files inside the run
 directory: a symlink is not followed, whether it points out of the run or not. It reads the workers'
 logs (logs/*.jsonl), the chaos runner's records (chaos/faults.jsonl) and the local launcher's
-(agents/launch.jsonl), and config.yaml.
+(agents/launch.jsonl), and config.yaml. Lines are parsed as observe/follow.py parses them (torn lines
+included); its LogFollower is not used here, since it reads all that is new at once and opens what a
+symlink points to.
 
 `live_state()` turns what was read into the page's state: progress and ETA, who is in the job now, the
 checkpoints, faults and a timeline as plain values (the page shows them as text, never as markup), and
