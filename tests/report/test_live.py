@@ -156,3 +156,20 @@ def test_a_long_run_is_drawn_from_every_kth_step_alike_on_every_rank_and_its_cou
         assert kept == list(range(6, 61, 6))
     assert [e for e in drawn if e["event"] != "step"] == [e for e in run.events if e["event"] != "step"]
     assert run.state()["step"] == 60 and run.state()["members"][1]["step"] == 60
+
+
+def test_a_run_directory_without_logs_yet_is_waiting_and_its_first_lines_show_up(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run = LiveRun(run_dir)
+    run.refresh()
+    state = run.state()
+    assert (state["status"], state["step"], state["idle_s"], state["html"]["charts"]) == (
+        "waiting for the first log line",
+        0,
+        None,
+        "",
+    )
+    write_run(run_dir)
+    run.refresh()
+    assert (run.state()["status"], run.state()["step"]) == ("finished", 100)
