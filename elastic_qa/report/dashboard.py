@@ -46,6 +46,8 @@ def _host_name(header: str) -> str:
 
 
 def make_handler(run: LiveRun, page: bytes, nonce: str, loopback_only: bool) -> type[BaseHTTPRequestHandler]:
+    """The request handler: GET / and GET /state.json (?since=VERSION: only the age of the newest line when
+    nothing changed since), anything else a 404; with `loopback_only`, a foreign Host header a 403."""
     csp = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src 'self'; "
         "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
