@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    sub.add_parser("dashboard", help="the run report, live, in a browser (serves on 127.0.0.1)")
     return parser
 
 
@@ -304,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastic_qa.launcher.node import main as node_main
 
         return node_main(argv[1:])
+    if argv[:1] == ["dashboard"]:  # likewise: its own parser, served until Ctrl-C
+        from elastic_qa.report.dashboard import main as dashboard_main
+
+        return dashboard_main(argv[1:])
     if argv[:1] == ["chaos"]:  # likewise: `elastic-qa chaos run --help`
         from elastic_qa.chaos.cli import main as chaos_main
 
@@ -312,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
-            from elastic_qa.observe.report import render_report
             from elastic_qa.output_paths import refuse_managed_output
+            from elastic_qa.report.page import render_report
 
             if args.out:
                 refuse_managed_output(args.out, "--out")

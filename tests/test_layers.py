@@ -3,7 +3,8 @@
 0  the package root, config, exits, network, liveness, run_length
 1  dist, data, models, observe, checkpoint (stores, commit protocol, fencing), metrics, debug, holds,
    compile
-2  train_state, optim, evaluation, export, output_paths
+2  train_state, optim, evaluation, export, output_paths, report (what a run did, drawn: it reads observe's
+   logs)
 3  elastic (control plane, session, signals, watchdog)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher, api (who may use whom: ENTRY_USES; none of
@@ -23,7 +24,7 @@ LAYERS = {
     "run_length": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "compile": 1,
-    "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2,
+    "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2, "report": 2,
     "elastic": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,

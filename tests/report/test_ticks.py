@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from elastic_qa.observe.ticks import log_ticks, nice_ticks, padded_range, tick_labels
+from elastic_qa.report.ticks import log_ticks, nice_ticks, padded_range, tick_labels
 
 
 def random_ranges(count: int, seed: int = 5) -> list[tuple[float, float]]:

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_qa.observe.charts import Marker, Series, line_chart
-from elastic_qa.observe.charts import escape as _esc
 from elastic_qa.observe.follow import read_events
-from elastic_qa.observe.summary import attempts, duration, idle_gaps, read_config, run_summary
+from elastic_qa.report.charts import Marker, Series, line_chart
+from elastic_qa.report.charts import escape as _esc
+from elastic_qa.report.summary import attempts, duration, idle_gaps, read_config, run_summary
 
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-FAULT_TAGS_UP_TO = 20  # more faults than this are marked by ticks alone (numbers would overlap)
+FAULT_TAGS_UP_TO = 20  # more faults (or regroups) than this are marked by ticks alone (tags would overlap)
 
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;padding:20px 28px;
@@ -111,9 +111,10 @@ def summary_html(facts: dict[str, Any]) -> str:
     return f'<div class="cards">{"".join(cards)}</div>{config_html}'
 
 
-def _charts(
+def charts_html(
     events: list[dict], config: dict, reference_dir: Path | None, faults: Sequence[dict[str, Any]]
 ) -> list[str]:
+    """The report's charts, each a <figure> of inline SVG (every label escaped); `events` in time order."""
     t0, end = events[0]["ts"], events[-1]["ts"] - events[0]["ts"]
     runs = attempts(events, t0)
     gaps = idle_gaps(runs, end)
@@ -172,11 +173,23 @@ def _charts(
         for i, f in enumerate(faults, start=1)
         if isinstance(f.get("ts"), (int, float)) and not f.get("skipped")
     ]
+    markers += [
+        Marker(
+            run.start,
+            f"attempt {run.attempt} started with {run.world_size} worker{'' if run.world_size == 1 else 's'}"
+            " (a regroup)",
+            "#666",
+            "↻" if len(runs) <= FAULT_TAGS_UP_TO else "",
+        )
+        for run in runs[1:]
+    ]
     world = [
         Series("world size", [(run.start, run.world_size), (run.end, run.world_size)], "#222", i == 0, 2.2)
         for i, run in enumerate(r for r in runs if r.world_size)
     ]
-    title = "World size over time (green ticks: checkpoint commits" + (", red: faults)" if faults else ")")
+    title = "World size over time (↻ a regroup; green ticks: checkpoint commits" + (
+        ", red: faults)" if faults else ")"
+    )
     charts.append(
         line_chart(
             title,
@@ -245,7 +258,8 @@ def _charts(
     return charts
 
 
-def _attempts_table(events: list[dict]) -> str:
+def attempts_html(events: list[dict]) -> str:
+    """The attempts table, as HTML (every value escaped)."""
     rows = []
     for run in attempts(events, events[0]["ts"]):
         first = "—" if run.first_step is None else run.first_step
@@ -287,9 +301,9 @@ def render_report(
         summary_html(run_summary(events, config)),
         "<h2>Charts</h2>",
         '<div class="charts">',
-        *_charts(events, config, reference_dir, faults),
+        *charts_html(events, config, reference_dir, faults),
         "</div>",
-        _attempts_table(events),
+        attempts_html(events),
     ]
     page = (
         f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"

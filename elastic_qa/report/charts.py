@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from elastic_qa.observe.ticks import log_ticks, nice_ticks, padded_range, tick_labels
+from elastic_qa.report.ticks import log_ticks, nice_ticks, padded_range, tick_labels
 
 FONT = 12
 LEFT, RIGHT, TOP, BOTTOM = 66, 16, 40, 46  # margins around the plot area: labels and titles live there

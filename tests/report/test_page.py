@@ -8,12 +8,12 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from elastic_qa.observe.charts import Series, line_chart
 from elastic_qa.observe.follow import read_events
-from elastic_qa.observe.report import render_report
-from elastic_qa.observe.summary import read_config, run_summary
+from elastic_qa.report.charts import Series, line_chart
+from elastic_qa.report.page import render_report
+from elastic_qa.report.summary import read_config, run_summary
 from tests.conftest import train_tiny
-from tests.observe.runs import CONFIG, IDLE, line, write_run
+from tests.report.runs import CONFIG, IDLE, line, write_run
 
 SVG = "{http://www.w3.org/2000/svg}"
 
