@@ -40,7 +40,8 @@ from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.data.cache import Featurizer, prepare
 from elastic_qa.data.features import Features
-from elastic_qa.data.squad import DataError, QAExample, read_squad
+from elastic_qa.data.sources import read_squad
+from elastic_qa.data.squad import DataError, QAExample
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
 

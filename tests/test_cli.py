@@ -14,7 +14,7 @@ import yaml
 from elastic_qa import __version__
 from elastic_qa.cli import build_parser, main
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data.squad import read_squad
+from elastic_qa.data.sources import read_squad
 from elastic_qa.metrics import squad_v2_scores
 from tests.conftest import FIXTURES
 

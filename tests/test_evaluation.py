@@ -11,7 +11,8 @@ from torch import nn
 
 from elastic_qa.config import ModelConfig
 from elastic_qa.data.features import Features, build_features
-from elastic_qa.data.squad import QAExample, read_squad
+from elastic_qa.data.sources import read_squad
+from elastic_qa.data.squad import QAExample
 from elastic_qa.data.tokenizer import PAD, WordTokenizer
 from elastic_qa.evaluation import (
     WindowPrediction,

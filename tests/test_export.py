@@ -15,7 +15,7 @@ import torch
 from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main
 from elastic_qa.data.loader import collate
-from elastic_qa.data.squad import read_squad
+from elastic_qa.data.sources import read_squad
 from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.evaluation import predict
 from elastic_qa.export import CONFIG_FILE, EXPORT_FILE, load_for_prediction

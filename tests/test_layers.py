@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -116,3 +117,87 @@ def test_only_the_entry_points_live_outside_the_package() -> None:
     for shim in ("launch", "chaos"):
         for path in (REPO / shim).glob("*.py"):
             assert len(path.read_text().splitlines()) <= 40, f"{path} holds logic; move it into elastic_qa/"
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a module file inside its top package (the outermost folder with __init__.py)."""
+    parts = list(path.with_suffix("").parts)
+    top = len(parts) - 1
+    while (Path(*parts[:top]) / "__init__.py").exists():
+        top -= 1
+    name = ".".join(parts[top:])
+    return name.removesuffix(".__init__")
+
+
+def cycles(package_dir: Path) -> list[list[str]]:
+    """The import circles among the modules of a package (its subpackages included): every `import` and
+    `from ... import`, at module level or inside a function, counts. Each circle is a sorted list of
+    the modules in it (a strongly connected component); none: []."""
+    files = {module_name(path): path for path in sorted(package_dir.rglob("*.py"))}
+
+    def target(module: str, imported: str, name: str | None) -> str | None:
+        for candidate in ([f"{imported}.{name}"] if name else []) + [imported]:
+            if candidate in files and candidate != module:
+                return candidate
+        return None
+
+    graph: dict[str, set[str]] = {module: set() for module in files}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                pairs = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1 packages
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                pairs = [(base, alias.name) for alias in node.names]
+            else:
+                continue
+            graph[module].update(t for imported, name in pairs if (t := target(module, imported, name)))
+    # Tarjan's strongly connected components; a component of two or more modules is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_cycles_finds_a_circle_made_by_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from pkg import a\n")
+    (package / "c.py").write_text("from . import a\n")
+    assert cycles(package) == [["pkg.a", "pkg.b"]]
+    (package / "b.py").write_text("B = 1\n")
+    assert cycles(package) == []
+
+
+def test_no_import_circles_among_the_data_modules() -> None:
+    assert cycles(REPO / "elastic_qa" / "data") == []

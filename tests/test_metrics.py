@@ -9,7 +9,7 @@ import string
 
 import pytest
 
-from elastic_qa.data.squad import read_squad
+from elastic_qa.data.sources import read_squad
 from elastic_qa.metrics import (
     best_thresholds,
     exact_match,

@@ -22,7 +22,8 @@ from typing import Any
 
 from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.bench.runs import NO_CHECKPOINTS, events_of, run_logged, torchrun, worker_env
-from elastic_qa.data.squad import DataError, QAExample, parse_squad
+from elastic_qa.data.sources import parse_squad
+from elastic_qa.data.squad import DataError, QAExample
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
 
 PRODUCT_CONFIG = "hf-base"  # the product's packaged run_qa recipe, under the overrides below

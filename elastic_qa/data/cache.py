@@ -32,6 +32,7 @@ from elastic_qa.config import Config, DataConfig
 from elastic_qa.data import synthetic
 from elastic_qa.data.build import Workers, build_split, default_workers
 from elastic_qa.data.columns import StoredExamples
+from elastic_qa.data.duplicates import IdAdmission
 from elastic_qa.data.features import BuiltinFeaturizer, Features
 from elastic_qa.data.lease import HOST, Lease, clean_stale_staging, lease, publish, read_holder
 from elastic_qa.data.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
@@ -101,8 +102,9 @@ def _split_sources(cfg: DataConfig) -> dict[str, str]:
     return {split: url for split, url in (("train", cfg.source), ("eval", cfg.eval_source)) if url}
 
 
-def _chunks(cfg: DataConfig, split: str) -> tuple[ExampleReader | None, Iterator[Chunk]]:
-    """A split's reader (None for the generator, whose examples are valid) and its chunks."""
+def _chunks(cfg: DataConfig, split: str) -> tuple[IdAdmission | None, Iterator[Chunk]]:
+    """A split's duplicate-id admission (None for the generator, whose examples are valid) and its
+    chunks."""
     if cfg.source == "synthetic":
         syn = cfg.synthetic
         count = syn.train_examples if split == "train" else syn.eval_examples
@@ -110,7 +112,7 @@ def _chunks(cfg: DataConfig, split: str) -> tuple[ExampleReader | None, Iterator
         batches = iter(lambda: list(itertools.islice(examples, CHUNK_LINES)), [])
         return None, (Chunk("synthetic", "examples", batch) for batch in batches)
     reader = ExampleReader(_split_sources(cfg)[split], cfg.skip_malformed)
-    return reader, reader.chunks()
+    return reader.admission(), reader.chunks()
 
 
 def _training_texts(cfg: DataConfig, beat: Callable[[], None]) -> Iterator[str]:
@@ -219,9 +221,10 @@ def _build(full: Config, featurizer: Featurizer, key: str, final: Path, workers:
         pool = Workers(featurizer, built_with, workers, held.beat)
         splits = ("train", "eval") if cfg.source == "synthetic" else tuple(_split_sources(cfg))
         for split in splits:
-            reader, chunks = _chunks(cfg, split)
-            built = build_split(reader, chunks, pool, staging / split, tokenizer.vocab_size, split == "eval")
-            counts[split] = {**asdict(built), "skipped": reader.tally.skipped if reader else 0}
+            admission, chunks = _chunks(cfg, split)
+            evaluation = split == "eval"
+            built = build_split(admission, chunks, pool, staging / split, tokenizer.vocab_size, evaluation)
+            counts[split] = {**asdict(built), "skipped": admission.skipped if admission else 0}
         meta = {
             "key": key,
             "inputs": _identity(cfg, final.parent),

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from elastic_qa.config import Config, DataConfig, question_tokens
+from elastic_qa.config import Config, ConfigError, DataConfig, question_tokens
 from elastic_qa.data import wordpiece
 from elastic_qa.data.squad import QAExample
-from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, tokenizer_for
+from elastic_qa.data.tokenizer import CLS, PAD, SEP, Tokenizer, build_tokenizer
 from elastic_qa.observe.log import get_logger
 
 
@@ -55,6 +55,18 @@ def _answer_tokens(spans: np.ndarray, start_char: int, end_char: int) -> tuple[i
     first = int(np.searchsorted(spans[:, 1], start_char, side="right"))
     last = int(np.searchsorted(spans[:, 0], end_char, side="left")) - 1
     return first, max(first, last)
+
+
+def tokenizer_for(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer a data config describes (wordpiece: the vocabulary of `data.vocab_file`)."""
+    if cfg.tokenizer == "wordpiece":
+        if not cfg.vocab_file:
+            raise ConfigError(
+                "data.tokenizer='wordpiece' without data.vocab_file: its vocabulary is trained when the "
+                "feature cache is built (elastic-qa prepare)"
+            )
+        return wordpiece.load(cfg.vocab_file)
+    return build_tokenizer(cfg.tokenizer, cfg.vocab_size, cfg.lowercase)
 
 
 def features_for(examples: list[QAExample], cfg: DataConfig) -> Features:

@@ -19,7 +19,7 @@ from elastic_qa.config import Config, DataConfig, load_config, packaged_config
 from elastic_qa.data import build, lease, stream
 from elastic_qa.data.cache import cache_key, prepare
 from elastic_qa.data.columns import StoredExamples
-from elastic_qa.data.squad import read_squad
+from elastic_qa.data.sources import read_squad
 from elastic_qa.data.synthetic import write_squad_file
 
 REPO = Path(__file__).resolve().parents[2]

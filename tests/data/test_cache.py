@@ -16,7 +16,8 @@ from elastic_qa.data import cache
 from elastic_qa.data.build import EVAL_COLUMNS, TRAIN_COLUMNS
 from elastic_qa.data.cache import cache_key, prepare
 from elastic_qa.data.features import build_features
-from elastic_qa.data.squad import DataError, read_squad
+from elastic_qa.data.sources import read_squad
+from elastic_qa.data.squad import DataError
 from elastic_qa.data.synthetic import generate, iter_examples
 from elastic_qa.data.tokenizer import SEP, UNK, WordTokenizer
 

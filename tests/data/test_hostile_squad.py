@@ -10,7 +10,8 @@ import pytest
 
 from elastic_qa.config import ConfigError, load_config, packaged_config
 from elastic_qa.data.features import build_features
-from elastic_qa.data.squad import Answer, DataError, QAExample, parse_squad, read_squad
+from elastic_qa.data.sources import parse_squad, read_squad
+from elastic_qa.data.squad import Answer, DataError, QAExample
 from elastic_qa.data.tokenizer import ByteTokenizer, WordTokenizer
 
 CONTEXT = "Paris is the capital of France."

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.data import stream
-from elastic_qa.data.squad import DataError, parse_squad, read_squad
+from elastic_qa.data.sources import parse_squad, read_squad
+from elastic_qa.data.squad import DataError
 from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
 from elastic_qa.data.synthetic import write_squad_file
 
