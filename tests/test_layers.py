@@ -1,7 +1,8 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
 0  the package root, config, exits, network, liveness, run_length
-1  dist, data, models, observe, checkpoint, metrics, debug, holds, compile
+1  dist, data, models, observe, checkpoint, metrics, debug, holds, compile; prep (offline preparation:
+   it builds the feature cache that data, the training-time input side, opens; data never imports prep)
 2  state, optim, evaluation, export, output_paths
 3  elastic (control plane, session, fencing, signals, watchdog)
 4  trainer
@@ -23,6 +24,7 @@ LAYERS = {
     "run_length": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "compile": 1,
+    "prep": 1,
     "state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2,
     "elastic": 3,
     "trainer": 4,
@@ -199,5 +201,40 @@ def test_cycles_finds_a_circle_made_by_a_function_level_import(tmp_path: Path) -
     assert cycles(package) == []
 
 
-def test_no_import_circles_among_the_data_modules() -> None:
+def test_no_import_circles_among_the_data_or_prep_modules() -> None:
     assert cycles(REPO / "elastic_qa" / "data") == []
+    assert cycles(REPO / "elastic_qa" / "prep") == []
+
+
+def prep_imports(path: Path) -> list[str]:
+    """Each import of elastic_qa.prep in a module (any level): `from MODULE import NAME`, `import MODULE`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "elastic_qa":
+                found += [f"from elastic_qa import {a.name}" for a in node.names if a.name == "prep"]
+            elif node.module.split(".")[:2] == ["elastic_qa", "prep"]:
+                found += [f"from {node.module} import {a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"import {a.name}" for a in node.names if a.name.split(".")[:2] == ["elastic_qa", "prep"]
+            ]
+    return found
+
+
+def test_the_training_time_input_never_imports_the_preparation() -> None:
+    """elastic_qa.data opens a published cache; building one (elastic_qa.prep) is never pulled in by it."""
+    wrong = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "elastic_qa" / "data").rglob("*.py"))
+        if (found := prep_imports(path))
+    }
+    assert wrong == {}
+
+
+def test_training_reaches_the_preparation_only_through_prepare() -> None:
+    """The worker entry point builds the cache at start through `prepare`, the preparation's entry point;
+    the loop and the evaluation read the prepared data and import nothing of the preparation."""
+    allowed = {"train.py": ["from elastic_qa.prep import prepare"], "trainer.py": [], "evaluation.py": []}
+    found = {name: prep_imports(REPO / "elastic_qa" / name) for name in allowed}
+    assert found == allowed

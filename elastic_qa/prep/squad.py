@@ -1,35 +1,14 @@
-"""SQuAD v1.1 / v2.0 JSON -> QA examples, read through fsspec so a path or any URL works."""
+"""SQuAD records -> QA examples: each record's checks, and the walk over SQuAD v1.1 / v2.0 articles that
+names every malformed record's place."""
 
 from __future__ import annotations
 
 import re
 import reprlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-
-class DataError(ValueError):
-    """Input data is unreadable or malformed; the message names the file and the record."""
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    start: int  # character offset into the context
-
-
-@dataclass(frozen=True)
-class QAExample:
-    id: str
-    question: str
-    context: str
-    answers: tuple[Answer, ...] = field(default_factory=tuple)  # empty: unanswerable (SQuAD v2)
-
-    @property
-    def is_impossible(self) -> bool:
-        return not self.answers
-
+from elastic_qa.data.examples import Answer, DataError, QAExample
 
 # Values from the file are shown escaped, shortened and only a few levels deep: an error message is one
 # line of readable length whatever the record holds (a newline, a megabyte, a 900-level list).

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 
-from elastic_qa.data.squad import DataError, shown_id
+from elastic_qa.data.examples import DataError
 from elastic_qa.observe.log import get_logger
+from elastic_qa.prep.squad import shown_id
 
 
 class IdAdmission:

@@ -4,10 +4,10 @@ stream of chunks of raw records that any process can turn into validated example
 `data.source` is a comma-separated list; each entry may be a glob (its matches in sorted order). A file
 whose name ends in `.jsonl` or `.ndjson` (optionally compressed, e.g. `.jsonl.gz`) holds one question a
 line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; a
-`.parquet`, `.arrow` or `.feather` file holds SQuAD-schema rows (data.tables), as do a `datasets`
+`.parquet`, `.arrow` or `.feather` file holds SQuAD-schema rows (prep.tables), as do a `datasets`
 save_to_disk directory (`DIR`, or `DIR:SPLIT` for a DatasetDict) and a hub dataset (`hub:NAME:SPLIT`,
 `hub:NAME:CONFIG:SPLIT`); any other file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time
-(data.stream). Compression is inferred from the name. Question ids are unique over all files of a source.
+(prep.stream). Compression is inferred from the name. Question ids are unique over all files of a source.
 
 The reading process only cuts the input into chunks (paragraphs' JSON text, lines, record batches);
 validating them (`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on
@@ -26,10 +26,9 @@ from typing import IO, Any
 
 import fsspec
 
-from elastic_qa.data.duplicates import IdAdmission
-from elastic_qa.data.squad import (
-    DataError,
-    QAExample,
+from elastic_qa.data.examples import DataError, QAExample
+from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.squad import (
     Tally,
     bad_article,
     named,
@@ -38,8 +37,8 @@ from elastic_qa.data.squad import (
     require_text,
     squad_records,
 )
-from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
-from elastic_qa.data.tables import (
+from elastic_qa.prep.stream import JSONStreamError, squad_paragraphs
+from elastic_qa.prep.tables import (
     hub_rows,
     ipc_rows,
     is_hub,
@@ -118,7 +117,7 @@ def file_digest(url: str) -> str:
 
 @dataclass
 class Chunk:
-    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from data.stream;
+    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from prep.stream;
     JSON Lines: (line number, bytes); "table": (first row number, Arrow IPC bytes), one pair; "rows":
     (row number, dict); "examples": ready QAExamples (the synthetic generator)."""
 

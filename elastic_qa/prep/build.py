@@ -1,6 +1,6 @@
 """Streaming, parallel feature building: files in, `.npy` columns out, memory bounded by a few chunks.
 
-The reading process cuts the input into chunks of raw records (data.sources); each chunk is validated and
+The reading process cuts the input into chunks of raw records (prep.sources); each chunk is validated and
 turned into windows with the model family's `features` (a pure function of a batch of examples); the
 reading process drops repeated question ids and appends the windows to the columns in chunk order. Chunks
 depend on the input alone, so any number of workers gives byte-identical files.
@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from elastic_qa.data.columns import ColumnWriter, ExampleWriter
-from elastic_qa.data.duplicates import IdAdmission
+from elastic_qa.data.examples import QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.sources import Chunk, parse_chunk
-from elastic_qa.data.squad import QAExample
+from elastic_qa.prep.columns import ColumnWriter, ExampleWriter
+from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.sources import Chunk, parse_chunk
 
 IN_FLIGHT_PER_WORKER = 2
 F_SETPIPE_SZ = 1031  # fcntl's name for it on Linux (Python 3.10+ has fcntl.F_SETPIPE_SZ)

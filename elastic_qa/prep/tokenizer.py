@@ -3,8 +3,8 @@
 Sequence length is what decides CPU speed for a small QA model, so the default is word-level: words are
 hashed into a fixed number of buckets (no vocabulary file to train or ship), CJK characters are single
 tokens (Chinese has no spaces), and punctuation marks are tokens of their own. `byte` is the universal
-fallback: UTF-8 bytes, about 5x longer sequences on English. `wordpiece` (data.wordpiece) trains a subword
-vocabulary on the training texts; data.features picks the tokenizer a config names.
+fallback: UTF-8 bytes, about 5x longer sequences on English. `wordpiece` (prep.wordpiece) trains a subword
+vocabulary on the training texts; prep.windows picks the tokenizer a config names.
 """
 
 from __future__ import annotations
