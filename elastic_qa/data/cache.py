@@ -35,7 +35,7 @@ class PreparedData:
     vocabulary: str | None = None  # the tokenizer.json text the windows were made with (wordpiece), if any
 
 
-def read_split(directory: Path, windows: int) -> Features:
+def _read_split(directory: Path, windows: int) -> Features:
     columns: dict[str, Any] = {}  # the Features fields: arrays, and None for absent offsets
     for name in Features.COLUMNS:
         path = directory / f"{name}.npy"
@@ -58,8 +58,8 @@ def open_cache(final: Path, key: str) -> PreparedData:
         return PreparedData(
             key=key,
             path=final,
-            train=read_split(final / "train", int(counts["train"]["windows"])),
-            eval=read_split(final / "eval", int(counts["eval"]["windows"])) if has_eval else None,
+            train=_read_split(final / "train", int(counts["train"]["windows"])),
+            eval=_read_split(final / "eval", int(counts["eval"]["windows"])) if has_eval else None,
             eval_examples=StoredExamples(final / "eval") if has_eval else [],
             vocab_size=int(meta["vocab_size"]),
             skipped={split: int(c.get("skipped", 0)) for split, c in counts.items()},
@@ -73,7 +73,7 @@ def open_cache(final: Path, key: str) -> PreparedData:
 
 
 class StoredExamples(Sequence[QAExample]):
-    """The examples an ExampleWriter stored: opening maps the index only; each read decodes its lines."""
+    """Examples that prep.columns.ExampleWriter stored: opening maps the index; each read decodes a line."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / "examples.jsonl"
