@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any
 from elastic_qa import __version__
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
-from elastic_qa.data.cache import Featurizer, prepare
+from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.squad import DataError, QAExample, read_squad
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
+from elastic_qa.prep import Featurizer, prepare
+from elastic_qa.prep.sources import read_squad
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,7 @@ def _device() -> torch.device:
 
 
 def _featurizer(cfg: Config) -> Featurizer | None:
-    """The model family's featurizer; None stands for the native one (data.features: no torch needed)."""
+    """The model family's featurizer; None stands for the native one (prep.windows: no torch needed)."""
     if cfg.model.kind == "native":
         return None
     from elastic_qa.models import family_for

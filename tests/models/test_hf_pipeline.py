@@ -17,10 +17,10 @@ import pytest
 
 from elastic_qa.cli import main
 from elastic_qa.config import Config, load_config
-from elastic_qa.data import synthetic
-from elastic_qa.data.squad import QAExample
+from elastic_qa.data.examples import QAExample
 from elastic_qa.export import CONFIG_FILE
 from elastic_qa.models import family_for
+from elastic_qa.prep import synthetic
 
 pytest.importorskip("transformers")
 

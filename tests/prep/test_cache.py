@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from elastic_qa.config import DataConfig, load_config, packaged_config
-from elastic_qa.data import cache
-from elastic_qa.data.build import EVAL_COLUMNS, TRAIN_COLUMNS
-from elastic_qa.data.cache import cache_key, prepare
-from elastic_qa.data.features import build_features
-from elastic_qa.data.squad import DataError, read_squad
-from elastic_qa.data.synthetic import generate, iter_examples
-from elastic_qa.data.tokenizer import SEP, UNK, WordTokenizer
+from elastic_qa.data.cache import VOCAB_FILE
+from elastic_qa.data.examples import DataError
+from elastic_qa.prep import cache, cache_key, prepare
+from elastic_qa.prep.build import EVAL_COLUMNS, TRAIN_COLUMNS
+from elastic_qa.prep.sources import read_squad
+from elastic_qa.prep.synthetic import generate, iter_examples
+from elastic_qa.prep.tokenizer import SEP, UNK, WordTokenizer
+from elastic_qa.prep.windows import build_features
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -225,7 +226,7 @@ def test_a_damaged_cache_is_a_data_error_naming_its_directory(tmp_path, damage):
 def test_content_hash_reads_an_unchanged_input_once_and_sees_a_change(tmp_path, monkeypatch) -> None:
     import os
 
-    from elastic_qa.data import cache
+    from elastic_qa.prep import cache
 
     source = tmp_path / "train.json"
     source.write_text('{"data": []}')
@@ -247,7 +248,7 @@ def wordpiece_config(tmp_path: Path, **changes) -> DataConfig:
 
 
 def test_the_wordpiece_key_changes_with_vocab_size_lowercase_and_the_vocab_files_content(tmp_path):
-    from elastic_qa.data import wordpiece
+    from elastic_qa.prep import wordpiece
 
     base = wordpiece_config(tmp_path)
     assert cache_key(dataclasses.replace(base, vocab_size=501)) != cache_key(base)
@@ -267,14 +268,14 @@ def test_the_wordpiece_key_changes_with_vocab_size_lowercase_and_the_vocab_files
 
 
 def test_a_given_vocab_file_is_the_one_the_windows_use_and_is_stored_with_the_cache(tmp_path):
-    from elastic_qa.data import wordpiece
+    from elastic_qa.prep import wordpiece
 
     given = tmp_path / "tokenizer.json"
     questions = [e.question for e in iter_examples("train", 50, 3, 0.0)]
     given.write_text(wordpiece.train(lambda: questions, 300, lowercase=False))
     data = prepare(wordpiece_config(tmp_path / "cache", vocab_file=str(given)))
     assert data.vocabulary == given.read_text()
-    assert (data.path / wordpiece.VOCAB_FILE).read_bytes() == given.read_bytes()
+    assert (data.path / VOCAB_FILE).read_bytes() == given.read_bytes()
     tokenizer = wordpiece.parse(given.read_bytes(), "given")
     assert data.vocab_size == tokenizer.vocab_size < 300
     example = data.eval_examples[0]

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from elastic_qa.config import Config, DataConfig, load_config, packaged_config
-from elastic_qa.data import build, lease, stream
-from elastic_qa.data.cache import cache_key, prepare
-from elastic_qa.data.columns import StoredExamples
-from elastic_qa.data.squad import read_squad
-from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.data.cache import VOCAB_FILE, StoredExamples
+from elastic_qa.prep import build, cache_key, lease, prepare, stream
+from elastic_qa.prep.sources import read_squad
+from elastic_qa.prep.synthetic import write_squad_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +56,7 @@ def test_one_two_and_three_workers_build_byte_identical_caches_under_one_key(tmp
 
 def test_a_wordpiece_cache_trains_its_vocabulary_once_the_same_with_one_or_two_workers(tmp_path, inputs):
     pytest.importorskip("tokenizers")
-    from elastic_qa.data import wordpiece
+    from elastic_qa.prep import wordpiece
 
     train, dev = inputs
     built = {}
@@ -69,7 +68,7 @@ def test_a_wordpiece_cache_trains_its_vocabulary_once_the_same_with_one_or_two_w
         data = prepare(cfg, workers=workers)
         built[workers] = (data.key, files_of(data.path))
     assert built[1] == built[2]
-    vocabulary = built[1][1][wordpiece.VOCAB_FILE]
+    vocabulary = built[1][1][VOCAB_FILE]
     assert data.vocabulary == vocabulary.decode()
     tokenizer = wordpiece.parse(vocabulary, "the cache's")
     assert json.loads(built[1][1]["meta.json"])["vocab_size"] == data.vocab_size == tokenizer.vocab_size
@@ -127,7 +126,7 @@ from pathlib import Path
 if sys.argv[3] == "no-flock":  # a host whose shared filesystem ignores flock
     fcntl.flock = lambda *args: None
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data import cache
+from elastic_qa.prep import cache
 import dataclasses
 real_build = cache._build
 def counted_build(*args):
@@ -229,8 +228,8 @@ def test_a_build_under_a_handler_that_turns_sigterm_into_an_exception_ends_its_h
     train, dev = inputs
     script = (
         "import signal, sys\n"
-        "from elastic_qa.data.cache import prepare\n"
-        "from tests.data.test_build import data_config\n"
+        "from elastic_qa.prep import prepare\n"
+        "from tests.prep.test_build import data_config\n"
         "from pathlib import Path\n"
         "def stop(signum, frame):\n"
         "    raise KeyboardInterrupt\n"

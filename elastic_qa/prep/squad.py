@@ -1,38 +1,14 @@
-"""SQuAD v1.1 / v2.0 JSON -> QA examples, read through fsspec so a path or any URL works."""
+"""SQuAD records -> QA examples: each record's checks, and the walk over SQuAD v1.1 / v2.0 articles that
+names every malformed record's place."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 import reprlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from elastic_qa.observe.log import get_logger
-
-
-class DataError(ValueError):
-    """Input data is unreadable or malformed; the message names the file and the record."""
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    start: int  # character offset into the context
-
-
-@dataclass(frozen=True)
-class QAExample:
-    id: str
-    question: str
-    context: str
-    answers: tuple[Answer, ...] = field(default_factory=tuple)  # empty: unanswerable (SQuAD v2)
-
-    @property
-    def is_impossible(self) -> bool:
-        return not self.answers
-
+from elastic_qa.data.examples import Answer, DataError, QAExample
 
 # Values from the file are shown escaped, shortened and only a few levels deep: an error message is one
 # line of readable length whatever the record holds (a newline, a megabyte, a 900-level list).
@@ -45,7 +21,7 @@ def _show(value: Any) -> str:
     return _SHOWN.repr(value)
 
 
-def _name(qid: Any) -> str:
+def shown_id(qid: Any) -> str:
     """A question id as written when it is plain printable text, else escaped."""
     if isinstance(qid, str) and qid.isprintable() and len(qid) <= 60:
         return qid
@@ -107,10 +83,10 @@ def parse_qa(qa: Any, context: str) -> QAExample:
 
 
 class Tally:
-    """Malformed records skipped while reading one split (the duplicates among them counted too)."""
+    """Malformed records skipped while validating records."""
 
     def __init__(self) -> None:
-        self.skipped = self.duplicates = 0
+        self.skipped = 0
 
 
 def squad_records(
@@ -160,69 +136,4 @@ def paragraph_records(
 def named(record: str, raw: Any) -> str:
     """A record's place, with its id when it has one."""
     qid = raw.get("id") if isinstance(raw, dict) else None
-    return record + (f" (id {_name(qid)})" if qid else "")
-
-
-class Unique:
-    """Admits each question id once over a stream of examples (one split, all its files).
-
-    A question id seen before is malformed too: predictions and scores are keyed by id, so a duplicate
-    would silently replace the first question's prediction. The ids seen are kept as 8-byte digests (a
-    few dozen bytes a question, not the strings); when a digest repeats, `first_place(id)` finds the
-    first occurrence again for the message (and tells a digest collision, odds about 1e-7 at a million
-    questions, from a duplicate; with skip_malformed such a collision skips the question).
-    """
-
-    def __init__(self, skip_malformed: bool, tally: Tally, first_place: Callable[[str], str | None]) -> None:
-        self.skip_malformed, self.tally, self.first_place = skip_malformed, tally, first_place
-        self.seen: set[int] = set()
-
-    def admit(self, url: str, record: str, qid: str) -> bool:
-        digest = int.from_bytes(hashlib.blake2b(qid.encode(), digest_size=8).digest(), "little")
-        if digest in self.seen:
-            if self.skip_malformed:
-                self.tally.skipped += 1
-                self.tally.duplicates += 1
-                return False
-            first = self.first_place(qid)
-            if first is not None:
-                raise DataError(f"{url}: {record} (id {_name(qid)}): duplicate id, first at {first}")
-        self.seen.add(digest)
-        return True
-
-
-def warn_skipped(source: str, tally: Tally, kept: int) -> None:
-    if tally.skipped:
-        get_logger().warning(
-            "malformed_records_skipped",
-            source=source,
-            skipped=tally.skipped,
-            duplicate_ids=tally.duplicates,
-            kept=kept,
-        )
-
-
-def parse_squad(doc: Any, url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
-    """Examples of a decoded SQuAD document in file order, and the malformed records skipped."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-        raise DataError(f"{url}: not SQuAD JSON (expected an object with a 'data' list)")
-    tally = Tally()
-
-    def first_place(qid: str) -> str | None:
-        return next((r for r, e in squad_records(url, doc["data"], True, Tally()) if e.id == qid), None)
-
-    unique = Unique(skip_malformed, tally, first_place)
-    records = squad_records(url, doc["data"], skip_malformed, tally)
-    examples = [e for r, e in records if unique.admit(url, r, e.id)]
-    warn_skipped(url, tally, len(examples))
-    if not examples:
-        raise DataError(f"{url}: no usable questions")
-    return examples, tally.skipped
-
-
-def read_squad(url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
-    """Examples of one data source (SQuAD JSON or JSON Lines; several files, a glob) and records skipped."""
-    from elastic_qa.data.sources import ExampleReader  # sources builds on this module
-
-    reader = ExampleReader(url, skip_malformed)
-    return list(reader), reader.tally.skipped
+    return record + (f" (id {shown_id(qid)})" if qid else "")

@@ -1,5 +1,5 @@
-"""The feature cache's files: `.npy` columns appended batch by batch, and examples stored as indexed JSON
-Lines that are read only when asked for.
+"""The feature cache's files, written: `.npy` columns appended batch by batch, and examples stored as
+indexed JSON Lines (data.cache reads them).
 
 A column's row count is known only at the end of a streaming build, so its `.npy` header is written last
 into room reserved at the start (numpy reads any header padded with spaces to a multiple of 64 bytes).
@@ -7,17 +7,14 @@ into room reserved at the start (numpy reads any header padded with spaces to a 
 
 from __future__ import annotations
 
-import json
-import mmap
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import overload
 
 import numpy as np
 import numpy.typing as npt
 
-from elastic_qa.data.squad import Answer, QAExample
+from elastic_qa.data.examples import QAExample, example_line
 
 _HEADER_BYTES = 128  # magic (6) + version (2) + length (2) + the header dict, space-padded
 
@@ -65,8 +62,7 @@ class ExampleWriter:
     def append(self, examples: Sequence[QAExample]) -> None:
         starts, lines = [], []
         for e in examples:
-            line = json.dumps([e.id, e.question, e.context, [[a.text, a.start] for a in e.answers]])
-            data = line.encode() + b"\n"
+            data = example_line(e)
             starts.append(self._position)
             self._position += len(data)
             lines.append(data)
@@ -77,55 +73,3 @@ class ExampleWriter:
         self._starts.append(np.asarray([self._position], np.int64))
         self._starts.close()
         self._file.close()
-
-
-def _example(line: bytes) -> QAExample:
-    qid, question, context, answers = json.loads(line)
-    return QAExample(qid, question, context, tuple(Answer(t, s) for t, s in answers))
-
-
-class StoredExamples(Sequence[QAExample]):
-    """The examples an ExampleWriter stored: opening maps the index only; each read decodes its lines."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "examples.jsonl"
-        self._starts = np.load(directory / "examples.index.npy", mmap_mode="r")
-        if len(self._starts) < 1:
-            raise ValueError(f"{directory}: empty example index")
-        self._data: mmap.mmap | None = None
-
-    def __len__(self) -> int:
-        return len(self._starts) - 1
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_data": None}  # a memory map is not sent: the receiver maps again
-
-    def _bytes(self) -> mmap.mmap:
-        if self._data is None:
-            with open(self.path, "rb") as handle:
-                self._data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._data
-
-    @overload
-    def __getitem__(self, index: int) -> QAExample: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[QAExample]: ...
-    def __getitem__(self, index: int | slice) -> QAExample | list[QAExample]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        index %= len(self)
-        return _example(self._bytes()[int(self._starts[index]) : int(self._starts[index + 1])])
-
-    def __iter__(self) -> Iterator[QAExample]:
-        with open(self.path, "rb") as handle:
-            for line in handle:
-                yield _example(line)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence semantics, as list has

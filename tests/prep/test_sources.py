@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.data import stream
-from elastic_qa.data.squad import DataError, parse_squad, read_squad
-from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
-from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.data.examples import DataError
+from elastic_qa.prep import stream
+from elastic_qa.prep.sources import parse_squad, read_squad
+from elastic_qa.prep.stream import JSONStreamError, squad_paragraphs
+from elastic_qa.prep.synthetic import write_squad_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CONTEXT = "Paris is the capital of France."

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data.cache import cache_key
 from elastic_qa.liveness import HOST, this_process
+from elastic_qa.prep import cache_key
 
 
 def prepare_command(cache: Path, *extra: str) -> list[str]:

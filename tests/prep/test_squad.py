@@ -10,7 +10,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from elastic_qa.data.squad import Answer, DataError, QAExample, parse_squad, read_squad
+from elastic_qa.data.examples import Answer, DataError, QAExample
+from elastic_qa.prep.sources import parse_squad, read_squad
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HANDWRITTEN = FIXTURES / "squad-v2-handwritten.json"

@@ -20,9 +20,8 @@ from typing import Any
 import fsspec
 
 from elastic_qa.config import ConfigError
-from elastic_qa.data.tokenizer import CLS, PAD, SEP, UNK
+from elastic_qa.prep.tokenizer import CLS, PAD, SEP, UNK
 
-VOCAB_FILE = "tokenizer.json"
 SPECIALS = {"[PAD]": PAD, "[CLS]": CLS, "[SEP]": SEP, "[UNK]": UNK}
 INSTALL = "pip install 'elastic-qa[hf]' (or pip install tokenizers)"
 # Bump when the training recipe below changes what it trains (part of the feature cache's key).

@@ -13,7 +13,7 @@ import json
 import random
 from collections.abc import Iterator
 
-from elastic_qa.data.squad import Answer, QAExample
+from elastic_qa.data.examples import Answer, QAExample
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 _JOBS = [

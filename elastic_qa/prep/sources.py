@@ -4,10 +4,10 @@ stream of chunks of raw records that any process can turn into validated example
 `data.source` is a comma-separated list; each entry may be a glob (its matches in sorted order). A file
 whose name ends in `.jsonl` or `.ndjson` (optionally compressed, e.g. `.jsonl.gz`) holds one question a
 line: `{"id", "question", "context", "answers": [{"text", "answer_start"}], "is_impossible"?}`; a
-`.parquet`, `.arrow` or `.feather` file holds SQuAD-schema rows (data.tables), as do a `datasets`
+`.parquet`, `.arrow` or `.feather` file holds SQuAD-schema rows (prep.tables), as do a `datasets`
 save_to_disk directory (`DIR`, or `DIR:SPLIT` for a DatasetDict) and a hub dataset (`hub:NAME:SPLIT`,
 `hub:NAME:CONFIG:SPLIT`); any other file is SQuAD v1.1/v2.0 JSON, walked one paragraph at a time
-(data.stream). Compression is inferred from the name. Question ids are unique over all files of a source.
+(prep.stream). Compression is inferred from the name. Question ids are unique over all files of a source.
 
 The reading process only cuts the input into chunks (paragraphs' JSON text, lines, record batches);
 validating them (`parse_chunk`) is the heavier half and runs wherever the chunk is sent. Chunks depend on
@@ -26,20 +26,19 @@ from typing import IO, Any
 
 import fsspec
 
-from elastic_qa.data.squad import (
-    DataError,
-    QAExample,
+from elastic_qa.data.examples import DataError, QAExample
+from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.squad import (
     Tally,
-    Unique,
     bad_article,
     named,
     paragraph_records,
     parse_qa,
     require_text,
-    warn_skipped,
+    squad_records,
 )
-from elastic_qa.data.stream import JSONStreamError, squad_paragraphs
-from elastic_qa.data.tables import (
+from elastic_qa.prep.stream import JSONStreamError, squad_paragraphs
+from elastic_qa.prep.tables import (
     hub_rows,
     ipc_rows,
     is_hub,
@@ -118,7 +117,7 @@ def file_digest(url: str) -> str:
 
 @dataclass
 class Chunk:
-    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from data.stream;
+    """Raw records of one file, in order. SQuAD: (article, paragraph, JSON text) from prep.stream;
     JSON Lines: (line number, bytes); "table": (first row number, Arrow IPC bytes), one pair; "rows":
     (row number, dict); "examples": ready QAExamples (the synthetic generator)."""
 
@@ -277,56 +276,62 @@ def _loose(line: bytes) -> Any:
 
 
 class ExampleReader:
-    """One source's chunks, and its validated examples in order (iterate once per pass).
+    """One source's chunks, and its validated examples in order (one pass per IdAdmission).
 
     A malformed record raises DataError naming the file and the record (SQuAD: `data[a].paragraphs[p]
     .qas[q]`, JSON Lines: `line n`, tables: `row n`, counted from 0), or with skip_malformed is counted
-    in `tally` and left out.
+    by the pass's IdAdmission and left out.
     """
 
     def __init__(self, source: str, skip_malformed: bool = False) -> None:
         self.source, self.urls = source, source_urls(source)
         self.skip_malformed = skip_malformed
-        self.tally = Tally()
-        self.kept = 0
 
     def chunks(self) -> Iterator[Chunk]:
         for url in self.urls:
             yield from chunks(url)
 
-    def first_place(self, qid: str) -> str | None:
-        """Where the first valid record with this id is (error path: reads the files again)."""
+    def places(self) -> Iterator[tuple[str, str]]:
+        """(place, question id) of every valid record, in order (reads the files again)."""
         for chunk in self.chunks():
             for record, example in parse_chunk(chunk, True).records:
-                if example.id == qid:
-                    return record if len(self.urls) == 1 else f"{chunk.url}: {record}"
-        return None
+                yield (record if len(self.urls) == 1 else f"{chunk.url}: {record}"), example.id
 
-    def unique(self) -> Unique:
-        """A fresh pass's duplicate filter; resets the counts."""
-        self.tally, self.kept = Tally(), 0
-        return Unique(self.skip_malformed, self.tally, self.first_place)
+    def admission(self) -> IdAdmission:
+        """A fresh pass's duplicate-id admission."""
+        return IdAdmission(self.source, self.skip_malformed, self.places)
 
-    def admit(
-        self, unique: Unique, url: str, names: list[tuple[str, str]], skipped: int, error: str | None
-    ) -> list[bool]:
-        """Which of a parsed chunk's examples (`names`: record, id) to keep; raises its error after them."""
-        self.tally.skipped += skipped
-        keep = [unique.admit(url, record, qid) for record, qid in names]
-        self.kept += sum(keep)
-        if error:
-            raise DataError(error)
-        return keep
-
-    def finish(self) -> None:
-        warn_skipped(self.source, self.tally, self.kept)
-        if not self.kept:
-            raise DataError(f"{self.source}: no usable questions")
-
-    def __iter__(self) -> Iterator[QAExample]:
-        unique = self.unique()
+    def examples(self, admission: IdAdmission) -> Iterator[QAExample]:
+        """One pass: the examples `admission` keeps; it holds the counts."""
         for chunk in self.chunks():
             parsed = parse_chunk(chunk, self.skip_malformed)
-            keep = self.admit(unique, chunk.url, parsed.names(), parsed.skipped, parsed.error)
+            keep = admission.admit(chunk.url, parsed.names(), parsed.skipped, parsed.error)
             yield from (example for (_, example), kept in zip(parsed.records, keep, strict=True) if kept)
-        self.finish()
+        admission.finish()
+
+    def __iter__(self) -> Iterator[QAExample]:
+        return self.examples(self.admission())
+
+
+def read_squad(url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
+    """Examples of one data source (SQuAD JSON or JSON Lines; several files, a glob) and records skipped."""
+    reader = ExampleReader(url, skip_malformed)
+    admission = reader.admission()
+    return list(reader.examples(admission)), admission.skipped
+
+
+def parse_squad(doc: Any, url: str, skip_malformed: bool = False) -> tuple[list[QAExample], int]:
+    """Examples of a decoded SQuAD document in file order, and the malformed records skipped."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        raise DataError(f"{url}: not SQuAD JSON (expected an object with a 'data' list)")
+
+    def places() -> Iterator[tuple[str, str]]:
+        return ((record, e.id) for record, e in squad_records(url, doc["data"], True, Tally()))
+
+    tally = Tally()
+    admission = IdAdmission(url, skip_malformed, places)
+    records = squad_records(url, doc["data"], skip_malformed, tally)
+    examples = [e for record, e in records if admission.admit_id(url, record, e.id)]
+    admission.skipped += tally.skipped  # the malformed records the walk left out
+    admission.finish()
+    return examples, admission.skipped

@@ -1,6 +1,6 @@
 """Streaming, parallel feature building: files in, `.npy` columns out, memory bounded by a few chunks.
 
-The reading process cuts the input into chunks of raw records (data.sources); each chunk is validated and
+The reading process cuts the input into chunks of raw records (prep.sources); each chunk is validated and
 turned into windows with the model family's `features` (a pure function of a batch of examples); the
 reading process drops repeated question ids and appends the windows to the columns in chunk order. Chunks
 depend on the input alone, so any number of workers gives byte-identical files.
@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from elastic_qa.data.columns import ColumnWriter, ExampleWriter
+from elastic_qa.data.examples import QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.sources import Chunk, ExampleReader, parse_chunk
-from elastic_qa.data.squad import QAExample
+from elastic_qa.prep.columns import ColumnWriter, ExampleWriter
+from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.sources import Chunk, parse_chunk
 
 IN_FLIGHT_PER_WORKER = 2
 F_SETPIPE_SZ = 1031  # fcntl's name for it on Linux (Python 3.10+ has fcntl.F_SETPIPE_SZ)
@@ -266,7 +267,7 @@ def _kept(features: Features, keep: list[bool]) -> Features:
 
 
 def build_split(
-    reader: ExampleReader | None,
+    admission: IdAdmission | None,
     chunks: Iterable[Chunk],
     workers: Workers,
     directory: Path,
@@ -275,7 +276,7 @@ def build_split(
 ) -> SplitCounts:
     """Write one split's columns (and, for evaluation, its examples) into `directory`.
 
-    `reader` filters repeated ids and counts what was skipped (None: the examples are known valid).
+    `admission` drops repeated ids and counts what was skipped (None: the examples are known valid).
     """
     directory.mkdir(parents=True)
     columns = EVAL_COLUMNS if evaluation else TRAIN_COLUMNS
@@ -283,12 +284,11 @@ def build_split(
     stored = ExampleWriter(directory) if evaluation else None
     counts = SplitCounts()
     id_type = ids_dtype(vocab_size)
-    unique = reader.unique() if reader is not None else None
     try:
         for done in workers.map(chunks, evaluation):
             keep = [True] * len(done.names)
-            if reader is not None and unique is not None:
-                keep = reader.admit(unique, done.url, done.names, done.skipped, done.error)
+            if admission is not None:
+                keep = admission.admit(done.url, done.names, done.skipped, done.error)
             if done.features is None or not any(keep):
                 continue
             features = done.features if all(keep) else _kept(done.features, keep)
@@ -306,8 +306,8 @@ def build_split(
             counts.examples += sum(keep)
             counts.windows += len(features)
             counts.tokens += int(features.lengths.sum())
-        if reader is not None:
-            reader.finish()
+        if admission is not None:
+            admission.finish()
     finally:
         for writer in writers.values():
             writer.close()

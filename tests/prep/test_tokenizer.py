@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.data.tokenizer import (
-    NUM_SPECIAL,
-    ByteTokenizer,
-    WordTokenizer,
-    build_tokenizer,
-)
+from elastic_qa.prep.tokenizer import NUM_SPECIAL, ByteTokenizer, WordTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +83,7 @@ def test_the_same_word_gets_the_same_id_from_fresh_tokenizers():
 
 _ID_SCRIPT = """
 import json, sys
-from elastic_qa.data.tokenizer import WordTokenizer
+from elastic_qa.prep.tokenizer import WordTokenizer
 texts = json.loads(sys.stdin.read())
 print(json.dumps([WordTokenizer(8192).encode(t)[0] for t in texts]))
 """

@@ -18,12 +18,16 @@ pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
 from elastic_qa.config import DataConfig, load_config, packaged_config  # noqa: E402
-from elastic_qa.data import sources  # noqa: E402
-from elastic_qa.data.cache import cache_key, prepare  # noqa: E402
-from elastic_qa.data.squad import DataError, read_squad  # noqa: E402
-from elastic_qa.data.synthetic import write_squad_file  # noqa: E402
-from elastic_qa.data.tables import ipc_rows  # noqa: E402
+from elastic_qa.data.examples import DataError  # noqa: E402
 from elastic_qa.observe.follow import read_events  # noqa: E402
+from elastic_qa.prep import (  # noqa: E402
+    cache_key,
+    prepare,
+    sources,
+)
+from elastic_qa.prep.sources import read_squad  # noqa: E402
+from elastic_qa.prep.synthetic import write_squad_file  # noqa: E402
+from elastic_qa.prep.tables import ipc_rows  # noqa: E402
 from tests.conftest import train_tiny  # noqa: E402
 
 CONTEXT = "Paris is the capital of France."

@@ -7,10 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from elastic_qa.data.features import Features, build_features
-from elastic_qa.data.squad import Answer, QAExample
-from elastic_qa.data.synthetic import generate
-from elastic_qa.data.tokenizer import CLS, PAD, SEP, ByteTokenizer, WordTokenizer
+from elastic_qa.data.examples import Answer, QAExample
+from elastic_qa.data.features import Features
+from elastic_qa.prep.synthetic import generate
+from elastic_qa.prep.tokenizer import CLS, PAD, SEP, ByteTokenizer, WordTokenizer
+from elastic_qa.prep.windows import build_features
 
 WORD = WordTokenizer(4096)
 

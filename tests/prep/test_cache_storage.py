@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.data import cache
-from elastic_qa.data.build import TRAIN_COLUMNS
-from elastic_qa.data.cache import prepare
+from elastic_qa.prep import cache, prepare
+from elastic_qa.prep.build import TRAIN_COLUMNS
 from tests.conftest import REPO
-from tests.data.test_cache import data_config, squad_file
+from tests.prep.test_cache import data_config, squad_file
 
 WAIT_S = 120  # generous: the machine may be loaded; a wait that runs out is a failure, never a pass
 

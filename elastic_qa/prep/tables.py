@@ -21,7 +21,8 @@ from typing import IO, Any
 
 import fsspec
 
-from elastic_qa.data.squad import DataError, QAExample, parse_qa, require_text
+from elastic_qa.data.examples import DataError, QAExample
+from elastic_qa.prep.squad import parse_qa, require_text
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
 HUB_PREFIX = "hub:"

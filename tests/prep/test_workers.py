@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data import build
-from elastic_qa.data.features import BuiltinFeaturizer
-from elastic_qa.data.sources import ExampleReader
-from elastic_qa.data.synthetic import write_squad_file
+from elastic_qa.prep import build
+from elastic_qa.prep.sources import ExampleReader
+from elastic_qa.prep.synthetic import write_squad_file
+from elastic_qa.prep.windows import BuiltinFeaturizer
 
 
 class InHelpers(BuiltinFeaturizer):
@@ -112,9 +112,9 @@ def test_the_same_windows_come_back_in_chunk_order_whatever_the_number_of_worker
 SLOW_BUILD = """
 import os, sys, time
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data import build
-from elastic_qa.data.features import BuiltinFeaturizer
-from elastic_qa.data.sources import ExampleReader
+from elastic_qa.prep import build
+from elastic_qa.prep.windows import BuiltinFeaturizer
+from elastic_qa.prep.sources import ExampleReader
 
 class Slow(BuiltinFeaturizer):
     def features(self, examples, cfg):

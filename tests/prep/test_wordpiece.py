@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from elastic_qa.config import ConfigError
-from elastic_qa.data import wordpiece
-from elastic_qa.data.synthetic import iter_examples
-from elastic_qa.data.tokenizer import CLS, PAD, SEP, UNK
+from elastic_qa.prep import wordpiece
+from elastic_qa.prep.synthetic import iter_examples
+from elastic_qa.prep.tokenizer import CLS, PAD, SEP, UNK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_a_lone_surrogate_reads_as_a_replacement_character_with_the_same_offsets
 
 _TRAIN_SCRIPT = """
 import hashlib, json, sys
-from elastic_qa.data import wordpiece
+from elastic_qa.prep import wordpiece
 texts = json.loads(sys.stdin.read())
 print(hashlib.sha256(wordpiece.train(lambda: texts, 600, lowercase=True).encode()).hexdigest())
 """

@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from elastic_qa.data.synthetic import _RELATIONS, generate
+from elastic_qa.prep.synthetic import _RELATIONS, generate
 
 SEED = 7
 

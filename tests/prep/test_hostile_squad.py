@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from elastic_qa.config import ConfigError, load_config, packaged_config
-from elastic_qa.data.features import build_features
-from elastic_qa.data.squad import Answer, DataError, QAExample, parse_squad, read_squad
-from elastic_qa.data.tokenizer import ByteTokenizer, WordTokenizer
+from elastic_qa.data.examples import Answer, DataError, QAExample
+from elastic_qa.prep.sources import parse_squad, read_squad
+from elastic_qa.prep.tokenizer import ByteTokenizer, WordTokenizer
+from elastic_qa.prep.windows import build_features
 
 CONTEXT = "Paris is the capital of France."
 

@@ -3,20 +3,15 @@
 Sequence length is what decides CPU speed for a small QA model, so the default is word-level: words are
 hashed into a fixed number of buckets (no vocabulary file to train or ship), CJK characters are single
 tokens (Chinese has no spaces), and punctuation marks are tokens of their own. `byte` is the universal
-fallback: UTF-8 bytes, about 5x longer sequences on English. `wordpiece` (data.wordpiece) trains a subword
-vocabulary on the training texts.
+fallback: UTF-8 bytes, about 5x longer sequences on English. `wordpiece` (prep.wordpiece) trains a subword
+vocabulary on the training texts; prep.windows picks the tokenizer a config names.
 """
 
 from __future__ import annotations
 
 import re
 import zlib
-from typing import TYPE_CHECKING, Protocol
-
-from elastic_qa.config import ConfigError
-
-if TYPE_CHECKING:
-    from elastic_qa.config import DataConfig
+from typing import Protocol
 
 PAD, CLS, SEP, UNK = 0, 1, 2, 3
 NUM_SPECIAL = 4
@@ -83,20 +78,6 @@ class ByteTokenizer:
             return ids, spans
         except UnicodeEncodeError:  # a lone surrogate (from a command-line argument, say) reads as U+FFFD
             return self.encode(_LONE_SURROGATE.sub("\ufffd", text))
-
-
-def tokenizer_for(cfg: DataConfig) -> Tokenizer:
-    """The tokenizer a data config describes (wordpiece: the vocabulary of `data.vocab_file`)."""
-    if cfg.tokenizer == "wordpiece":
-        from elastic_qa.data import wordpiece  # it imports this module
-
-        if not cfg.vocab_file:
-            raise ConfigError(
-                "data.tokenizer='wordpiece' without data.vocab_file: its vocabulary is trained when the "
-                "feature cache is built (elastic-qa prepare)"
-            )
-        return wordpiece.load(cfg.vocab_file)
-    return build_tokenizer(cfg.tokenizer, cfg.vocab_size, cfg.lowercase)
 
 
 def build_tokenizer(kind: str, vocab_size: int, lowercase: bool) -> Tokenizer:

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.config import DataConfig, load_config, packaged_config
-from elastic_qa.data import cache
-from elastic_qa.data.cache import cache_key, prepare
-from elastic_qa.data.squad import DataError
-from elastic_qa.data.synthetic import generate
+from elastic_qa.data.examples import DataError
+from elastic_qa.prep import cache, cache_key, prepare
+from elastic_qa.prep.synthetic import generate
 from tests.conftest import tiny_overrides
 
 CONTEXT = "Paris is the capital of France."
