@@ -235,7 +235,7 @@ def _newest_step(checkpoint_dir: str) -> int | None:
 
 def _newest_checkpoint(checkpoint_dir: str) -> str | None:
     """The newest committed step directory, as the user would write it (None: none)."""
-    from elastic_qa.checkpoint.store import open_store
+    from elastic_qa.checkpoint.backends import open_store
 
     store = open_store(checkpoint_dir)
     steps = store.list_steps()

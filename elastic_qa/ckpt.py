@@ -19,7 +19,7 @@ from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointInfo
-from elastic_qa.state import ResumeError, upgrade
+from elastic_qa.train_state import ResumeError, upgrade
 
 PRUNED = "pruned while verifying"
 

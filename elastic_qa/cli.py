@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 from elastic_qa import __version__
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
-from elastic_qa.data.cache import Featurizer, prepare
+from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.squad import DataError, QAExample, read_squad
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
+from elastic_qa.prep import Featurizer, prepare
+from elastic_qa.prep.sources import read_squad
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,7 @@ def _device() -> torch.device:
 
 
 def _featurizer(cfg: Config) -> Featurizer | None:
-    """The model family's featurizer; None stands for the native one (data.features: no torch needed)."""
+    """The model family's featurizer; None stands for the native one (prep.windows: no torch needed)."""
     if cfg.model.kind == "native":
         return None
     from elastic_qa.models import family_for
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    sub.add_parser("dashboard", help="the run report, live, in a browser (serves on 127.0.0.1)")
     return parser
 
 
@@ -301,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastic_qa.serve.cli import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["dashboard"]:  # likewise: its own parser, served until Ctrl-C
+        from elastic_qa.report.dashboard import main as dashboard_main
+
+        return dashboard_main(argv[1:])
     if argv[:1] == ["chaos"]:  # likewise: `elastic-qa chaos run --help`
         from elastic_qa.chaos.cli import main as chaos_main
 
@@ -309,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
-            from elastic_qa.observe.report import render_report
             from elastic_qa.output_paths import refuse_managed_output
+            from elastic_qa.report.page import render_report
 
             if args.out:
                 refuse_managed_output(args.out, "--out")

@@ -5,15 +5,19 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread
 import contextlib
+import dataclasses
 import inspect
 import os
 import socket
+import struct
 import sys
 import threading
 import time
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypedDict
+from typing import NoReturn, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +73,69 @@ def all_gather_bytes(payload: bytes, world_size: int, group: object) -> list[byt
     parts = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(parts, padded, group=group)
     return [part[: int(size.item())].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
+
+
+MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
+_Decision = TypeVar("_Decision")
+
+
+def decide_on_rank0(
+    ctx: DistContext,
+    group: dist.ProcessGroup | None,
+    decide: Callable[[], _Decision],
+    kind: type[_Decision],
+    refusals: tuple[type[Exception], ...] = (),
+) -> _Decision:
+    """Run `decide` on rank 0 only and return its decision on every rank (a collective: every rank calls
+    it with the same `kind` and `group`; a single process just decides).
+
+    `kind` is a dataclass of int, bool and float fields: its values travel in one int64 tensor in field
+    order (a float as its 64 bits, so exactly), and every rank reads them back by name. When `decide`
+    raises one of `refusals`, every rank raises that type with rank 0's message (its first MAX_REFUSAL
+    bytes): each worker then fails with the same line, which is how a launcher tells bad input (exit 2)
+    from bad luck. Two broadcasts at most: the decision (with the refusal's length and type), then the
+    refusal's text.
+    """
+    hints = typing.get_type_hints(kind)
+    names = [field.name for field in dataclasses.fields(kind)]  # type: ignore[arg-type]
+    header = torch.zeros(2 + len(names), dtype=torch.int64)  # refusal length, refusal type, the fields
+    refusal = b""
+    if ctx.is_main:
+        try:
+            decision = decide()
+            words = [_word(getattr(decision, name), hints[name]) for name in names]
+            header[2:] = torch.tensor(words, dtype=torch.int64)
+        except refusals as err:
+            refusal = (str(err) or type(err).__name__).encode()[:MAX_REFUSAL]
+            header[0] = len(refusal)
+            header[1] = next(i for i, refused in enumerate(refusals) if isinstance(err, refused))
+    if ctx.distributed:
+        dist.broadcast(header, src=0, group=group)
+    if header[0]:
+        text = torch.zeros(int(header[0]), dtype=torch.uint8)
+        if ctx.is_main:
+            text[:] = torch.frombuffer(bytearray(refusal), dtype=torch.uint8)
+        if ctx.distributed:
+            dist.broadcast(text, src=0, group=group)
+        raise refusals[int(header[1])](text.numpy().tobytes().decode(errors="replace"))
+    words = header[2:].tolist()
+    return kind(**{name: _value(word, hints[name]) for name, word in zip(names, words, strict=True)})
+
+
+def _word(value: object, of: object) -> int:
+    """A field's value as one signed 64-bit word, by the field's declared type."""
+    if of is float and isinstance(value, (int, float)):
+        return int(struct.unpack("<q", struct.pack("<d", float(value)))[0])
+    if of in (int, bool) and isinstance(value, int):  # a bool is an int
+        return int(value)
+    raise TypeError(f"a decision field declared {of} holds {value!r}: only int, bool and float travel")
+
+
+def _value(word: int, of: object) -> int | bool | float:
+    """The inverse of _word."""
+    if of is float:
+        return float(struct.unpack("<d", struct.pack("<q", word))[0])
+    return bool(word) if of is bool else word
 
 
 def init_distributed(cfg: DistConfig) -> DistContext:

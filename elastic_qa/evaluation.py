@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_qa.data.cursor import rank_slice
+from elastic_qa.data.examples import QAExample
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
-from elastic_qa.data.squad import QAExample
 from elastic_qa.metrics import best_thresholds, squad_scores, squad_v2_scores
 from elastic_qa.models import ModelFamily, model_inputs
 

@@ -28,10 +28,10 @@ from torch import nn
 from elastic_qa.checkpoint.locate import load_best_checkpoint, load_checkpoint, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.config import Config, ConfigError, DataConfig, config_from_dict, load_config
-from elastic_qa.data.wordpiece import materialise
 from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
 from elastic_qa.output_paths import refuse_managed_output
+from elastic_qa.prep.wordpiece import materialise
 
 EXPORT_FILE = "elastic_qa_export.json"
 CONFIG_FILE = "elastic_qa_config.yaml"
@@ -176,8 +176,8 @@ def export_checkpoint(path: str, out: Path, force: bool = False, best: bool = Fa
 
 
 def _follow_umask(directory: Path) -> None:
-    """Give what the model family wrote the modes the umask asks for, as README promises: safetensors
-    writes its file through a private temporary file (0600), whatever the umask."""
+    """Give what the model family wrote the modes the umask asks for, as docs/evaluation.md promises:
+    safetensors writes its file through a private temporary file (0600), whatever the umask."""
     umask = os.umask(0)
     os.umask(umask)  # read, not changed: there is no call that only reads it
     for path in directory.rglob("*"):

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Underscores: a host name is also part of file names that are split at '-' (data/lease.py's staging).
+# Underscores: a host name is also part of file names that are split at '-' (prep/lease.py's staging).
 HOST = socket.gethostname().replace("-", "_") or "host"
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 

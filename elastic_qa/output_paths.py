@@ -18,7 +18,7 @@ from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD, step_of
 from elastic_qa.exits import UsageError
 
 RUN_CONFIG = "config.yaml"  # what marks a run directory (the trainer writes it there)
-ATTEMPTS_DIR = "attempts"  # the attempt registry of a checkpoint directory (elastic/fencing.py)
+ATTEMPTS_DIR = "attempts"  # the attempt registry of a checkpoint directory (checkpoint/fencing.py)
 
 
 def resolved(path: Path | str) -> Path:

@@ -20,8 +20,7 @@ from typing import Any
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import suspicious_settings
-from elastic_qa.data.cache import prepare
-from elastic_qa.data.squad import DataError
+from elastic_qa.data.examples import DataError
 from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
 from elastic_qa.elastic.control import PeerFailure
 from elastic_qa.elastic.hold import RunHeldError, RunHold
@@ -33,7 +32,8 @@ from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
 from elastic_qa.observe.log import configure_logging, get_logger
-from elastic_qa.state import ResumeError
+from elastic_qa.prep import prepare
+from elastic_qa.train_state import ResumeError
 from elastic_qa.trainer import Trainer
 
 

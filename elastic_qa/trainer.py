@@ -9,13 +9,15 @@
     evaluate, final checkpoint (committed and verified), train_done
 
 What every rank must agree on and the phases a worker goes through (running, stopping, emergency, done)
-are in elastic/control.py; what a checkpoint holds in state.py; how it is saved in elastic/session.py.
+are in elastic/control.py; what a checkpoint holds in train_state.py; how it is saved in
+elastic/session.py.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -30,7 +32,7 @@ from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import build_train_loader, collate
-from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
+from elastic_qa.dist import CommTimer, DistContext, decide_on_rank0, unwrap, wrap_model
 from elastic_qa.elastic.control import (
     ControlPlane,
     Decision,
@@ -53,12 +55,22 @@ from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers, check_installed
 from elastic_qa.optim import build_optimizer, build_scheduler
 from elastic_qa.run_length import end_step
-from elastic_qa.state import ResumeError, TrainState, seed_step_rng, step_seed
+from elastic_qa.train_state import ResumeError, TrainState, seed_step_rng, step_seed
 
 # What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
 TARGETS = ("start_positions", "end_positions", "weights")
 # Windows the start-up probe for loss-invariant parameters reads (a float64 forward and backward).
 PROBE_WINDOWS = 4
+
+
+@dataclass(frozen=True)
+class SharedScores:
+    """Rank 0's evaluation scores, as every rank receives them (dist.decide_on_rank0)."""
+
+    scored: bool  # rank 0 evaluated at this step
+    em: float
+    f1: float
+    loss: float
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -411,13 +423,14 @@ class Trainer:
         agree, as any rank may write an emergency checkpoint and all must stop early together."""
         if not self.ctx.distributed:
             return scores
-        shared = torch.zeros(4, dtype=torch.float64)  # scored, em, f1, loss
-        if scores is not None:
-            shared[:] = torch.tensor([1.0, scores["em"], scores["f1"], scores["loss"]], dtype=torch.float64)
-        dist.broadcast(shared, src=0, group=self.control_group)
-        if not shared[0]:
-            return None
-        return {"em": float(shared[1]), "f1": float(shared[2]), "loss": float(shared[3])}
+
+        def share() -> SharedScores:
+            if scores is None:
+                return SharedScores(False, 0.0, 0.0, 0.0)
+            return SharedScores(True, scores["em"], scores["f1"], scores["loss"])
+
+        shared = decide_on_rank0(self.ctx, self.control_group, share, SharedScores)
+        return {"em": shared.em, "f1": shared.f1, "loss": shared.loss} if shared.scored else None
 
     def _observe(self, scores: dict[str, float]) -> None:
         best, step = self.state.best, self.state.step

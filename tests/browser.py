@@ -8,6 +8,7 @@ WebDriver is JSON over HTTP, and the few calls a test needs are below. Where eit
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import socket
@@ -90,10 +91,8 @@ class Browser:
         self.close()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the driver is killed below either way
             self._call("DELETE", f"/session/{self.session}")
-        except Exception:  # noqa: BLE001 - the driver is killed below either way
-            pass
         self._driver.terminate()
         try:
             self._driver.wait(timeout=30)

@@ -20,7 +20,7 @@ import elastic_qa
 from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, parse_override
-from elastic_qa.data.squad import DataError
+from elastic_qa.data.examples import DataError
 from elastic_qa.exits import UsageError
 from elastic_qa.export import EXPORT_FILE
 from elastic_qa.observe.follow import read_events

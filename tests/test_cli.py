@@ -14,8 +14,8 @@ import yaml
 from elastic_qa import __version__
 from elastic_qa.cli import build_parser, main
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data.squad import read_squad
 from elastic_qa.metrics import squad_v2_scores
+from elastic_qa.prep.sources import read_squad
 from tests.conftest import FIXTURES
 
 
@@ -55,7 +55,7 @@ def test_prepare_with_a_bad_vocab_file_exits_2_naming_the_file_and_builds_nothin
     tmp_path: Path, capsys: pytest.CaptureFixture, content: str | None
 ) -> None:
     pytest.importorskip("tokenizers")
-    from elastic_qa.data import wordpiece
+    from elastic_qa.prep import wordpiece
 
     vocab = tmp_path / "vocab.json"
     if content == "not json":

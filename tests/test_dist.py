@@ -1,19 +1,28 @@
 """Joining a process group: bad input refused before any is formed; how a worker process ends: without
-interpreter finalisation, but losing nothing a normal exit keeps."""
+interpreter finalisation, but losing nothing a normal exit keeps; rank 0's decisions, on every rank."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from elastic_qa.config import ConfigError, DistConfig
-from elastic_qa.dist import has_running_statistics, init_distributed
+from elastic_qa.dist import (
+    MAX_REFUSAL,
+    DistContext,
+    decide_on_rank0,
+    has_running_statistics,
+    init_distributed,
+)
 
 SCRIPT = textwrap.dedent(
     """
@@ -108,3 +117,86 @@ def test_wrapping_a_model_in_ddp_prints_no_warning_and_syncs_only_running_statis
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["False", "True"]
     assert "Warning" not in result.stderr, result.stderr
+
+
+# ---- rank 0's decisions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    step: int
+    fresh: bool
+    lr: float
+    run_word: int
+
+
+class Refused(Exception):
+    pass
+
+
+class Held(Exception):
+    pass
+
+
+CHOICE = Choice(step=420, fresh=True, lr=1 / 3, run_word=-(2**63) + 5)
+
+
+def _decide_everywhere(ctx: DistContext, group: dist.ProcessGroup | None) -> dict:
+    """Three decisions in a row, as a worker makes them: a choice, a refusal of the second refusal type
+    (longer than MAX_REFUSAL bytes), then a choice again (the ranks are still in step after a refusal)."""
+    calls: list[str] = []
+
+    def choose() -> Choice:
+        calls.append("choose")
+        return CHOICE
+
+    def refuse() -> Choice:
+        calls.append("refuse")
+        raise Held("held by job 7 " + "x" * MAX_REFUSAL)
+
+    first = decide_on_rank0(ctx, group, choose, Choice, (Refused, Held))
+    try:
+        decide_on_rank0(ctx, group, refuse, Choice, (Refused, Held))
+        refusal = None
+    except (Refused, Held) as err:
+        refusal = [type(err).__name__, str(err)]
+    last = decide_on_rank0(ctx, group, lambda: Choice(7, False, 2.5, 1), Choice)
+    return {"first": asdict(first), "refusal": refusal, "last": asdict(last), "calls": calls}
+
+
+def _decision_rank(rank: int, world: int, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo", world)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(_decide_everywhere(ctx, None)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0_decides_and_every_rank_gets_its_decision_or_its_refusal(tmp_path: Path) -> None:
+    mp.spawn(_decision_rank, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    expected_refusal = ["Held", ("held by job 7 " + "x" * MAX_REFUSAL)[:MAX_REFUSAL]]
+    for rank, result in enumerate(results):
+        assert result["first"] == asdict(CHOICE), rank  # the float to the last bit, the int64 extreme
+        assert result["refusal"] == expected_refusal, rank
+        assert result["last"] == {"step": 7, "fresh": False, "lr": 2.5, "run_word": 1}, rank
+        assert result["calls"] == (["choose", "refuse"] if rank == 0 else []), rank
+
+
+def test_a_single_process_decides_alone_with_the_same_refusal() -> None:
+    single = DistContext(0, 1, 0, torch.device("cpu"), None, 1)
+    result = _decide_everywhere(single, None)
+    assert result["first"] == asdict(CHOICE) and result["last"]["lr"] == 2.5
+    assert result["refusal"] == ["Held", ("held by job 7 " + "x" * MAX_REFUSAL)[:MAX_REFUSAL]]
+
+
+def test_a_decision_of_a_type_that_cannot_travel_is_refused_on_rank_0() -> None:
+    @dataclass
+    class Named:
+        name: str
+
+    single = DistContext(0, 1, 0, torch.device("cpu"), None, 1)
+    with pytest.raises(TypeError, match="only int, bool and float travel"):
+        decide_on_rank0(single, None, lambda: Named("x"), Named)

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from elastic_qa.config import ModelConfig
-from elastic_qa.data.features import Features, build_features
-from elastic_qa.data.squad import QAExample, read_squad
-from elastic_qa.data.tokenizer import PAD, WordTokenizer
+from elastic_qa.data.examples import QAExample
+from elastic_qa.data.features import Features
 from elastic_qa.evaluation import (
     WindowPrediction,
     answers_from_windows,
@@ -22,6 +21,9 @@ from elastic_qa.evaluation import (
     predict_windows,
 )
 from elastic_qa.models import family_for
+from elastic_qa.prep.sources import read_squad
+from elastic_qa.prep.tokenizer import PAD, WordTokenizer
+from elastic_qa.prep.windows import build_features
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILY = family_for(ModelConfig())

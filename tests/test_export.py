@@ -14,12 +14,12 @@ import torch
 
 from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main
+from elastic_qa.data.cache import VOCAB_FILE
 from elastic_qa.data.loader import collate
-from elastic_qa.data.squad import read_squad
-from elastic_qa.data.wordpiece import VOCAB_FILE
 from elastic_qa.evaluation import predict
 from elastic_qa.export import CONFIG_FILE, EXPORT_FILE, load_for_prediction
 from elastic_qa.models import model_inputs
+from elastic_qa.prep.sources import read_squad
 from tests.conftest import FIXTURES, train_tiny
 
 CPU = torch.device("cpu")

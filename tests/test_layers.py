@@ -1,9 +1,12 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
 0  the package root, config, exits, network, liveness, run_length
-1  dist, data, models, observe, checkpoint, metrics, debug, holds, compile
-2  state, optim, evaluation, export, output_paths
-3  elastic (control plane, session, fencing, signals, watchdog)
+1  dist, data, models, observe, checkpoint (stores, commit protocol, fencing), metrics, debug, holds,
+   compile; prep (offline preparation: it builds the feature cache that data, the training-time input
+   side, opens; data never imports prep)
+2  train_state, optim, evaluation, export, output_paths, report (what a run did, drawn: it reads observe's
+   logs)
+3  elastic (control plane, session, signals, watchdog)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher, api, serve (who may use whom: ENTRY_USES; none of
    them is imported by anything below, but for the package root's lazy re-export of the Python API:
@@ -14,6 +17,9 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -22,7 +28,8 @@ LAYERS = {
     "run_length": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "compile": 1,
-    "state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2,
+    "prep": 1,
+    "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2, "report": 2,
     "elastic": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,
@@ -74,7 +81,19 @@ def test_every_unit_of_the_package_has_a_layer() -> None:
         unit(".".join(p.relative_to(REPO).with_suffix("").parts)) for p in (REPO / "elastic_qa").rglob("*.py")
     }
     units.discard("__init__")
-    assert units - set(LAYERS) == set(), "give the new module a layer in this test and in the README"
+    assert units - set(LAYERS) == set(), "give the new module a layer in this test and in docs/layout.md"
+
+
+def test_the_layout_page_names_every_module_and_package() -> None:
+    """docs/layout.md lists the package's parts: each top-level module (name.py) and package (name/)."""
+    layout = (REPO / "docs" / "layout.md").read_text()
+    parts = [
+        p.name + ("/" if p.is_dir() else "")
+        for p in (REPO / "elastic_qa").iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
+    ]
+    assert parts, "no modules found"
+    assert [p for p in parts if p not in layout] == [], "name them in docs/layout.md"
 
 
 def test_no_module_imports_a_layer_above_it_or_an_entry_point() -> None:
@@ -105,3 +124,145 @@ def test_only_the_entry_points_live_outside_the_package() -> None:
     for shim in ("launch", "chaos"):
         for path in (REPO / shim).glob("*.py"):
             assert len(path.read_text().splitlines()) <= 40, f"{path} holds logic; move it into elastic_qa/"
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a module file inside its top package (the outermost folder with __init__.py)."""
+    parts = list(path.with_suffix("").parts)
+    top = len(parts) - 1
+    while (Path(*parts[:top]) / "__init__.py").exists():
+        top -= 1
+    name = ".".join(parts[top:])
+    return name.removesuffix(".__init__")
+
+
+def cycles(package_dir: Path) -> list[list[str]]:
+    """The import circles among the modules of a package (its subpackages included): every `import` and
+    `from ... import`, at module level or inside a function, counts. Each circle is a sorted list of
+    the modules in it (a strongly connected component); none: []."""
+    files = {module_name(path): path for path in sorted(package_dir.rglob("*.py"))}
+
+    def target(module: str, imported: str, name: str | None) -> str | None:
+        for candidate in ([f"{imported}.{name}"] if name else []) + [imported]:
+            if candidate in files and candidate != module:
+                return candidate
+        return None
+
+    graph: dict[str, set[str]] = {module: set() for module in files}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                pairs = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1 packages
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                pairs = [(base, alias.name) for alias in node.names]
+            else:
+                continue
+            graph[module].update(t for imported, name in pairs if (t := target(module, imported, name)))
+    # Tarjan's strongly connected components; a component of two or more modules is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_cycles_finds_a_circle_made_by_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from pkg import a\n")
+    (package / "c.py").write_text("from . import a\n")
+    assert cycles(package) == [["pkg.a", "pkg.b"]]
+    (package / "b.py").write_text("B = 1\n")
+    assert cycles(package) == []
+
+
+@pytest.mark.parametrize("package", ["checkpoint", "data", "prep", "report", "observe"])
+def test_no_import_circles_among_the_modules_of_a_package(package: str) -> None:
+    assert cycles(REPO / "elastic_qa" / package) == []
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Every module a file imports, anywhere in its body (`from X import Y` counts as X and X.Y)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return found
+
+
+def test_only_open_store_knows_the_checkpoint_backends() -> None:
+    """store.py is the backends' abstract base and imports none of them; backends.py (open_store) does."""
+    checkpoint = REPO / "elastic_qa" / "checkpoint"
+    users = {
+        path.stem
+        for path in checkpoint.glob("*.py")
+        if {"elastic_qa.checkpoint.store_rename", "elastic_qa.checkpoint.store_manifest"}
+        & set(imported_modules(path))
+    }
+    assert users == {"backends"}
+
+
+def prep_imports(path: Path) -> list[str]:
+    """Each import of elastic_qa.prep in a module (any level): `from MODULE import NAME`, `import MODULE`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "elastic_qa":
+                found += [f"from elastic_qa import {a.name}" for a in node.names if a.name == "prep"]
+            elif node.module.split(".")[:2] == ["elastic_qa", "prep"]:
+                found += [f"from {node.module} import {a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"import {a.name}" for a in node.names if a.name.split(".")[:2] == ["elastic_qa", "prep"]
+            ]
+    return found
+
+
+def test_the_training_time_input_never_imports_the_preparation() -> None:
+    """elastic_qa.data opens a published cache; building one (elastic_qa.prep) is never pulled in by it."""
+    wrong = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "elastic_qa" / "data").rglob("*.py"))
+        if (found := prep_imports(path))
+    }
+    assert wrong == {}
+
+
+def test_training_reaches_the_preparation_only_through_prepare() -> None:
+    """The worker entry point builds the cache at start through `prepare`, the preparation's entry point;
+    the loop and the evaluation read the prepared data and import nothing of the preparation."""
+    allowed = {"train.py": ["from elastic_qa.prep import prepare"], "trainer.py": [], "evaluation.py": []}
+    found = {name: prep_imports(REPO / "elastic_qa" / name) for name in allowed}
+    assert found == allowed

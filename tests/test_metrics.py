@@ -9,7 +9,6 @@ import string
 
 import pytest
 
-from elastic_qa.data.squad import read_squad
 from elastic_qa.metrics import (
     best_thresholds,
     exact_match,
@@ -19,6 +18,7 @@ from elastic_qa.metrics import (
     squad_scores,
     squad_v2_scores,
 )
+from elastic_qa.prep.sources import read_squad
 from tests.conftest import FIXTURES
 
 

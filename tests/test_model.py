@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from elastic_qa.config import ConfigError, ModelConfig, config_from_dict, load_config, packaged_config
-from elastic_qa.data.features import build_features
 from elastic_qa.data.loader import collate
-from elastic_qa.data.synthetic import generate
-from elastic_qa.data.tokenizer import PAD, SEP, WordTokenizer
 from elastic_qa.models import FAMILIES, family_for, model_inputs
 from elastic_qa.models.loss import span_loss
 from elastic_qa.models.native import _MASKED, SpanQA
+from elastic_qa.prep.synthetic import generate
+from elastic_qa.prep.tokenizer import PAD, SEP, WordTokenizer
+from elastic_qa.prep.windows import build_features
 from tests.conftest import FIXTURES
 
 VOCAB = 512

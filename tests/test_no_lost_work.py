@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore
 from elastic_qa.observe.follow import read_events
 from tests.conftest import tiny_overrides
@@ -31,7 +32,7 @@ def train(run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProces
 
 
 def store_of(run_dir: Path) -> CheckpointStore:
-    return CheckpointStore(str(run_dir / "checkpoints"))
+    return open_store(str(run_dir / "checkpoints"))
 
 
 def manifest(run_dir: Path, step: int) -> dict:

@@ -1,4 +1,5 @@
-"""The README stays true: its first two commands, and a config reference that lists every key."""
+"""The README and docs/ stay true: the first two commands, the Python example, a config reference that lists
+every key, and links that lead somewhere."""
 
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ def config_keys(obj: object, prefix: str = "") -> dict[str, object]:
     return keys
 
 
-def test_readme_config_reference_lists_every_key_with_its_default() -> None:
-    readme = (REPO / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", readme, flags=re.MULTILINE))
+def test_the_config_reference_lists_every_key_with_its_default() -> None:
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", reference, flags=re.MULTILINE))
     for key, default in config_keys(Config()).items():
-        assert key in rows, f"README config reference misses {key}"
+        assert key in rows, f"docs/configuration.md misses {key}"
         expected = (
             '""' if default == "" else str(default).lower() if isinstance(default, bool) else str(default)
         )
-        assert rows[key] == expected, f"README says {key} defaults to {rows[key]}, the code says {expected}"
+        assert rows[key] == expected, (
+            f"docs/configuration.md says {key} defaults to {rows[key]}, the code says {expected}"
+        )
 
 
 def test_readme_starts_with_the_run_and_test_commands_that_ci_uses() -> None:
@@ -57,10 +60,11 @@ def anchors(markdown: str) -> set[str]:
 
 
 def test_every_link_of_the_readme_and_docs_reaches_a_file_or_heading_of_the_repository() -> None:
+    """Links in code blocks and HTML comments (rows waiting for a page, say) are not rendered: not checked."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     broken = []
     for page in pages:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        text = re.sub(r"```.*?```|<!--.*?-->", "", page.read_text(), flags=re.DOTALL)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+://|mailto:", target):
                 continue  # the web: not checked offline
@@ -76,10 +80,10 @@ def test_every_link_of_the_readme_and_docs_reaches_a_file_or_heading_of_the_repo
 def test_the_readme_python_api_example_runs(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """The notebook example after the quick start, as written, on a short run (4 steps, shared cache)."""
+    """The notebook example of the quick start, as written, on a short run (4 steps, shared cache)."""
     from elastic_qa import api
 
-    quick_start = (REPO / "README.md").read_text().split("## Contents", 1)[0]
+    quick_start = (REPO / "README.md").read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
     [example] = re.findall(r"```python\n(.*?)```", quick_start, flags=re.DOTALL)
     as_written = api.build_config
     short = {"train.max_steps": 4, "data.cache_dir": str(cache_dir), "log.console": "none"}

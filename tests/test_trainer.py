@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.config import ConfigError, load_config, packaged_config
 from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
@@ -121,7 +121,7 @@ def test_timed_rotation_keeps_the_last_three_plus_milestones(tmp_path: Path, cac
     events = read_events(tmp_path)
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     assert len(committed) >= 5  # ~6 s of training with a 1 s timer
-    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    store = open_store(str(tmp_path / "checkpoints"))
     kept = [info.step for info in store.list_steps(committed_only=False)]
     milestones = [s for s in committed if s % 16 == 0 and s not in committed[-3:]]
     assert kept == sorted(set(committed[-3:]) | set(milestones))

@@ -35,9 +35,9 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state
-from elastic_qa.checkpoint.store import open_store
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state
 from elastic_qa.config import CheckpointConfig, Config, ConfigError, resolve_config
 from elastic_qa.models import family_for
 from elastic_qa.optim import build_optimizer

@@ -22,7 +22,7 @@ from elastic_qa.bench.common import BenchError, write_json
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from elastic_qa.observe.log import configure_logging
 
-USAGE = """elastic-qa bench NAME [options]: measure this trainer (see the README's Benchmarks section).
+USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/benchmarks.md).
 
     throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
     compile      the product eager vs train.compile=true: steady-state steps/s, cold compile time

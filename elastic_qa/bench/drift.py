@@ -23,8 +23,8 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import bench_config, run_logged, torchrun, worker_env
 from elastic_qa.chaos.evidence import parameter_difference
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.store import open_store
 from elastic_qa.config import CheckpointConfig
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.chaos.evidence import check_ledger, checkpoint_store, run_config
-from elastic_qa.checkpoint.state import TRAINER_FILE
+from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import step_dir_name
-from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
+from elastic_qa.prep import prepare
 
 SKIP = 0.2  # share of a worker's logged steps dropped as warm-up before its steps/s
 

@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from elastic_qa.config import resolve_config
-from elastic_qa.data.cache import prepare
 from elastic_qa.data.features import Features
 from elastic_qa.data.loader import collate
 from elastic_qa.dist import buffer_sync, exit_process, has_running_statistics
 from elastic_qa.models import family_for, model_inputs
 from elastic_qa.optim import build_optimizer
+from elastic_qa.prep import prepare
 
 
 class Indices(Dataset):

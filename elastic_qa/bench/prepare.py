@@ -47,9 +47,9 @@ from elastic_qa.bench.common import (
     summary,
 )
 from elastic_qa.bench.runs import STOP_GRACE_S, start_tied, worker_env
-from elastic_qa.data.synthetic import write_squad_file
 from elastic_qa.launcher.processes import end_process
 from elastic_qa.observe.follow import LogFollower
+from elastic_qa.prep.synthetic import write_squad_file
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 START_OVERRIDES = [
@@ -67,8 +67,8 @@ CEILING_PASSES = 8
 # questions, windowed CEILING_PASSES times from a common start time (argv: file, start, config, overrides).
 CEILING_PROBE = f"""import itertools, sys, time
 from elastic_qa.config import resolve_config
-from elastic_qa.data.features import features_for
-from elastic_qa.data.sources import ExampleReader
+from elastic_qa.prep.windows import features_for
+from elastic_qa.prep.sources import ExampleReader
 cfg = resolve_config(sys.argv[3], sys.argv[4:]).data
 examples = list(itertools.islice(iter(ExampleReader(sys.argv[1])), {CEILING_QUESTIONS}))
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))

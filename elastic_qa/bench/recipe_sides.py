@@ -22,8 +22,9 @@ from typing import Any
 
 from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.bench.runs import NO_CHECKPOINTS, events_of, run_logged, torchrun, worker_env
-from elastic_qa.data.squad import DataError, QAExample, parse_squad
+from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
+from elastic_qa.prep.sources import parse_squad
 
 PRODUCT_CONFIG = "hf-base"  # the product's packaged run_qa recipe, under the overrides below
 MAX_ANSWER_LEN, N_BEST, NULL_THRESHOLD = 30, 20, 0.0  # run_qa's defaults, on both sides
@@ -192,9 +193,9 @@ def product_predictions(run_dir: Path) -> dict[str, Any]:
     them (the run's own final evaluation logs only its scores)."""
     import torch
 
-    from elastic_qa.data.cache import prepare
     from elastic_qa.evaluation import predict
     from elastic_qa.export import load_for_prediction
+    from elastic_qa.prep import prepare
 
     device = torch.device("cpu")
     loaded = load_for_prediction(str(run_dir), device)

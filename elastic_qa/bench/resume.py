@@ -32,11 +32,12 @@ from elastic_qa.bench.common import (
     summary,
 )
 from elastic_qa.bench.runs import bench_config, events_of, run_logged, start_tied, worker_env
-from elastic_qa.checkpoint.state import TRAINER_FILE
-from elastic_qa.checkpoint.store import CheckpointStore, open_store, serialize
-from elastic_qa.data.cache import prepare
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.payload import TRAINER_FILE
+from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
+from elastic_qa.prep import prepare
 
 BASE_STEPS = 3
 # Fields commit() writes itself; the rest of the original manifest is carried over to the copies.

@@ -21,11 +21,11 @@ from typing import IO, Any
 
 from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
-from elastic_qa.data.cache import prepare
-from elastic_qa.data.squad import DataError
+from elastic_qa.data.examples import DataError
 from elastic_qa.launcher.processes import end_process, tied_to_this_process
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 NO_CHECKPOINTS = "checkpoint.interval=1000h"  # the final checkpoint still happens, after the last step

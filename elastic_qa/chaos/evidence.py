@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import yaml
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.policy import retained_steps
-from elastic_qa.checkpoint.store import CheckpointStore, open_store
+from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.observe.ledger import effective_order, read_ledger

@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastic_qa.observe.charts import escape
 from elastic_qa.observe.follow import read_events
-from elastic_qa.observe.report import render_report
+from elastic_qa.report.charts import escape
+from elastic_qa.report.page import render_report
 
 if TYPE_CHECKING:
     from elastic_qa.chaos.verify import Verdict

@@ -66,10 +66,10 @@ from elastic_qa.chaos.judge import (
     second_job_pids,
 )
 from elastic_qa.config import Config
-from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
+from elastic_qa.prep import prepare
 
 SHORT_RUN_STEPS = 500
 __all__ = [

@@ -17,17 +17,11 @@ from typing import Any
 
 import yaml
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.best import best_record
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
-from elastic_qa.checkpoint.state import TRAINER_FILE
-from elastic_qa.checkpoint.store import (
-    MANIFEST,
-    CheckpointError,
-    CheckpointStore,
-    open_store,
-    step_dir_name,
-    step_of,
-)
+from elastic_qa.checkpoint.payload import TRAINER_FILE
+from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, step_dir_name, step_of
 from elastic_qa.config import CheckpointConfig
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run directory holds

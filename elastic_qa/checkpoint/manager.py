@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_qa.checkpoint.best import best_record, best_step
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.policy import retained_steps
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
 from elastic_qa.config import CheckpointConfig, format_duration
 from elastic_qa.observe.log import get_logger

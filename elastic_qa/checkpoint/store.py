@@ -5,8 +5,8 @@ step, epoch, world size, attempt, run, creation time, config hash, versions), an
 run the directory belongs to (run_record.py). A directory counts as a checkpoint only once it holds a
 manifest, and only as a *valid* one once every file matches it.
 
-`CheckpointStore(url)` (or `open_store(url)`) opens the store at a path or URL and picks its commit
-protocol, the one thing that differs between stores:
+`open_store(url)` (backends.py) opens the store at a path or URL with the backend for its commit protocol,
+the one thing that differs between stores:
 
 - Local storage, `RenameCommitStore` (store_rename.py): files and manifest are staged in a private
   directory and published by one atomic rename, so a checkpoint appears complete or not at all.
@@ -14,9 +14,10 @@ protocol, the one thing that differs between stores:
   written into the final directory under writer-unique names and the manifest, one object, last: the
   checkpoint exists from the moment that single write lands.
 
-Everything else lives here, once: naming, listing, reading and verifying manifests and files (plain names
-only, bounded reads, never through a symlink), loading, the commit skeleton (write the files, build the
-manifest, ask `may_commit`, publish), and the `_standing` rule for a step that is already committed.
+Everything else lives here, once, in their abstract base `CheckpointStore`: naming, listing, reading and
+verifying manifests and files (plain names only, bounded reads, never through a symlink), loading, the
+commit skeleton (write the files, build the manifest, ask `may_commit`, publish), and the `_standing` rule
+for a step that is already committed.
 """
 
 from __future__ import annotations
@@ -116,48 +117,13 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def store_class(fs: fsspec.AbstractFileSystem) -> type[CheckpointStore]:
-    """The backend for `fs`: atomic rename on local disk, manifest-last everywhere else."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    from elastic_qa.checkpoint.store_manifest import ManifestLastStore
-    from elastic_qa.checkpoint.store_rename import RenameCommitStore
-
-    return RenameCommitStore if isinstance(fs, LocalFileSystem) else ManifestLastStore
-
-
-def open_store(url: str, fs: fsspec.AbstractFileSystem | None = None) -> CheckpointStore:
-    """The checkpoint store at `url` (a local path or any fsspec URL), with the backend its storage needs."""
-    if fs is None:
-        fs, _ = fsspec.core.url_to_fs(url)
-    return store_class(fs)(url, fs)
-
-
-_mixed: dict[tuple[type, type], type] = {}
-
-
 class CheckpointStore(abc.ABC):
-    """One checkpoint directory tree (a local path or any fsspec URL).
+    """One checkpoint directory tree (a local path or any fsspec URL): the abstract base of the backends.
 
-    `CheckpointStore(url)` returns the backend `store_class` picks (a subclass of this class). A subclass
-    that is no backend itself (a test double overriding a method, say) gets the backend mixed in under it.
-    Backends implement the abstract methods below: how a path is looked at and opened, how files are
-    written, how a checkpoint is published, moved, detached for deletion, and what staging is cleaned.
+    Open one with `open_store(url)` (backends.py), which picks the backend the storage needs. Backends
+    implement the abstract methods below: how a path is looked at and opened, how files are written, how a
+    checkpoint is published, moved, detached for deletion, and what staging is cleaned.
     """
-
-    def __new__(cls, url: str | None = None, fs: fsspec.AbstractFileSystem | None = None) -> CheckpointStore:
-        if not getattr(cls, "__abstractmethods__", None):  # a backend (or one mixed in): no choice to make
-            return super().__new__(cls)
-        if fs is None:
-            fs, _ = fsspec.core.url_to_fs(url)
-        backend = store_class(fs)
-        if cls is not CheckpointStore:
-            key = (cls, backend)
-            if key not in _mixed:
-                name = f"{cls.__name__}[{backend.__name__}]"
-                _mixed[key] = type(name, (cls, backend), {"__module__": cls.__module__, "__qualname__": name})
-            backend = _mixed[key]
-        return super().__new__(backend)
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         if fs is None:

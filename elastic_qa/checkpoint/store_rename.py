@@ -27,10 +27,10 @@ import stat
 import uuid
 from typing import BinaryIO
 
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.checkpoint.store import (
     _TMP_PREFIX,
     MANIFEST,
-    CheckpointError,
     CheckpointStore,
     Staging,
     staging_dir_name,

@@ -25,6 +25,8 @@ On some steps, after the optimizer step, in this order:
   5. step-breakdown all-gather, every log.breakdown_every steps (observe/breakdown.py);
   6. final-outcome broadcast from rank 0 (on its own group, whose timeout covers the final save's retries).
 At start-up: the broadcast of the checkpoint rank 0 chose, then the broadcast of the attempt number.
+Rank 0's decisions (the checkpoint chosen, the run's hold, the attempt, the final outcome, evaluation scores)
+travel through dist.decide_on_rank0: one broadcast, and a second only for a refusal's text.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A live job holds its run: a start that is not part of it is refused, unless the holder is provably gone.
 
-Fencing (fencing.py) lets the newest registered attempt win, which is right for a worker group that
-regroups, and wrong for a second job started on the same run by hand: its registration would fence the
+Fencing (checkpoint/fencing.py) lets the newest registered attempt win, which is right for a worker group
+that regroups, and wrong for a second job started on the same run by hand: its registration would fence the
 live job, which then restarts from its last checkpoint (from step 0 when none was saved yet). So before a
 group registers, rank 0 takes the hold of the checkpoint store, the thing fencing protects (any fsspec
 URL, possibly shared between hosts): a record in `<checkpoint.dir>/holders/<run id>.json` naming the job

@@ -21,14 +21,17 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
+from elastic_qa.checkpoint.payload import rng_state, versions
 from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.run_record import (
     RunRecord,
@@ -40,23 +43,44 @@ from elastic_qa.checkpoint.run_record import (
     resolved_run_dir,
     write_record,
 )
-from elastic_qa.checkpoint.state import rng_state, versions
-from elastic_qa.checkpoint.store import CheckpointError, open_store, step_dir_name
+from elastic_qa.checkpoint.store import CheckpointError, step_dir_name
 from elastic_qa.config import Config
 from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
-from elastic_qa.dist import DistContext, all_gather_bytes
-from elastic_qa.elastic.fencing import Fence
+from elastic_qa.dist import DistContext, all_gather_bytes, decide_on_rank0
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.run_length import end_step, length_text
-from elastic_qa.state import ResumeError, TrainState, gather_rng_states
-
-_MAX_REFUSAL = 4096  # bytes of rank 0's refusal sent to the other ranks
+from elastic_qa.train_state import ResumeError, TrainState, gather_rng_states
 
 
 class FinalStateError(RuntimeError):
     """Training reached max_steps but its final state could not be committed: the job is not done."""
+
+
+# Rank 0's decisions, as every rank receives them (dist.decide_on_rank0).
+@dataclass(frozen=True)
+class RestoreChoice:
+    step: int  # the checkpoint to load; -1: none, a fresh start
+    from_source: bool  # it is in checkpoint.resume_from, not in this run's store
+    run_high: int  # the run's uuid (checkpoint/run_record.py) as two signed 64-bit words
+    run_low: int
+
+
+@dataclass(frozen=True)
+class HoldTaken:
+    """Rank 0 holds the run for this job: nothing more to say (a refusal travels as RunHeldError)."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    attempt: int  # the job-wide attempt number rank 0 claimed
+    restore_again: bool  # a checkpoint newer than the restored one was committed meanwhile
+
+
+@dataclass(frozen=True)
+class FinalOutcome:
+    committed: bool  # the final state is committed and verified
 
 
 class CheckpointSession:
@@ -87,41 +111,24 @@ class CheckpointSession:
 
     # ---- start-up -----------------------------------------------------------------------------------
     def restore(self) -> LoadedCheckpoint | None:
-        """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing."""
-        # chosen step, refusal length in bytes, chosen from checkpoint.resume_from, run uuid (2 x 64 bits)
-        verdict = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64)
-        loaded, refusal = None, b""
-        if self.ctx.is_main:
-            try:
-                loaded = self._choose()
-                verdict[0] = loaded.step if loaded else -1
-                verdict[2] = int(self.source is not None)
-                verdict[3:] = torch.tensor(_uuid_words(self.run_uuid))
-            except ResumeError as err:
-                refusal = (str(err) or "refused").encode()[:_MAX_REFUSAL]
-                verdict[1] = len(refusal)
-        if self.ctx.distributed:
-            dist.broadcast(verdict, src=0, group=self.control_group)
-        if verdict[1]:
-            raise ResumeError(self._shared_refusal(refusal, int(verdict[1])))
-        self.run_uuid = _uuid_of(int(verdict[3]), int(verdict[4]))
-        if verdict[0] >= 0 and loaded is None:
-            loaded = self._load_chosen(int(verdict[0]), from_source=bool(verdict[2]))
+        """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing.
+        A refusal (ResumeError) is raised on every rank with rank 0's message."""
+        loaded: LoadedCheckpoint | None = None  # rank 0 loads it while choosing
+
+        def choose() -> RestoreChoice:
+            nonlocal loaded
+            loaded = self._choose()
+            high, low = _uuid_words(self.run_uuid)
+            return RestoreChoice(loaded.step if loaded else -1, self.source is not None, high, low)
+
+        choice = decide_on_rank0(self.ctx, self.control_group, choose, RestoreChoice, (ResumeError,))
+        self.run_uuid = _uuid_of(choice.run_high, choice.run_low)
+        if choice.step >= 0 and loaded is None:
+            loaded = self._load_chosen(choice.step, from_source=choice.from_source)
         if loaded is not None:
             self.state.load_state_dict(loaded)
         self.restored = loaded
         return loaded
-
-    def _shared_refusal(self, refusal: bytes, length: int) -> str:
-        """Rank 0's refusal, on every rank: each worker then fails with the same line, which is how a
-        launcher tells a crash loop on bad input (exit 2) from bad luck."""
-        if self.ctx.distributed:
-            text = torch.zeros(length, dtype=torch.uint8)
-            if self.ctx.is_main:
-                text[:] = torch.frombuffer(bytearray(refusal), dtype=torch.uint8)
-            dist.broadcast(text, src=0, group=self.control_group)
-            refusal = bytes(text.tolist())
-        return refusal.decode(errors="replace")
 
     def _load_chosen(self, step: int, from_source: bool) -> LoadedCheckpoint:
         """Ranks other than 0: load the checkpoint rank 0 chose, from our store or checkpoint.resume_from."""
@@ -245,18 +252,14 @@ class CheckpointSession:
         processes = local_processes()
         if self.ctx.distributed:
             processes = [process for rank in self._gather_json(processes) for process in rank]
-        refused, message = torch.zeros(1, dtype=torch.int64), b""  # the refusal's length in bytes
-        if self.ctx.is_main:
-            try:
-                self.hold.acquire(unique(processes), self.log)
-                self.hold.start_heartbeat(self.log)
-            except RunHeldError as err:
-                message = (str(err) or "another live job holds this run").encode()[:_MAX_REFUSAL]
-                refused[0] = len(message)
-        if self.ctx.distributed:
-            dist.broadcast(refused, src=0, group=self.control_group)
-        if refused[0]:  # every rank fails with rank 0's line, as a refused restore does
-            raise RunHeldError(self._shared_refusal(message, int(refused[0])))
+
+        def take() -> HoldTaken:
+            self.hold.acquire(unique(processes), self.log)
+            self.hold.start_heartbeat(self.log)
+            return HoldTaken()
+
+        # Every rank fails with rank 0's line, as a refused restore does.
+        decide_on_rank0(self.ctx, self.control_group, take, HoldTaken, (RunHeldError,))
 
     def _gather_json(self, mine: Any) -> list[Any]:
         """Every rank's `mine` (plain JSON values), read with json: never unpickled."""
@@ -266,22 +269,22 @@ class CheckpointSession:
     def register(self) -> int:
         """Job-wide attempt number: rank 0 claims it in the checkpoint store, all ranks agree."""
         self._take_hold()
-        info = torch.zeros(2, dtype=torch.int64)  # attempt, restore again
-        if self.ctx.is_main:
-            info[0] = self.fence.register(self.ctx.world_size)
+
+        def claim() -> Registration:
+            attempt = self.fence.register(self.ctx.world_size)
             if self._new_record is not None:  # the store's first registration (or one from before records)
                 write_record(self.store, self._new_record)
-            self.store.clean_staging(int(info[0]))
+            self.store.clean_staging(attempt)
             for rejection in self.rejected:
                 self._quarantine(rejection)
             committed = self.store.list_steps()
             restored_step = self.restored.step if self.restored else -1
-            info[1] = int(bool(committed) and committed[-1].step > restored_step)
-        if self.ctx.distributed:
-            dist.broadcast(info, src=0, group=self.control_group)
-        self.attempt = self.fence.attempt = int(info[0])
+            return Registration(attempt, bool(committed) and committed[-1].step > restored_step)
+
+        registration = decide_on_rank0(self.ctx, self.control_group, claim, Registration)
+        self.attempt = self.fence.attempt = registration.attempt
         update_identity(attempt=self.attempt)
-        if info[1]:
+        if registration.restore_again:
             self.log.warning("checkpoint_appeared", restored_step=self.state.step)
             self.restore()
         return self.attempt
@@ -407,19 +410,18 @@ class CheckpointSession:
     def save_final(self) -> None:
         """The final checkpoint; raises FinalStateError on every rank unless it is committed and verified."""
         step = self.state.step
-        committed = torch.ones(1, dtype=torch.int64)
         files = self._files() if self.resumed_step != step else None  # collective
-        if self.ctx.is_main:
+
+        def commit() -> FinalOutcome:
             if files is not None:
                 ok = self._save_until_committed(files, "final", self.cfg.checkpoint.final_retry_for)
             else:  # resumed at max_steps: that checkpoint is the final state; it must still stand
                 ok = self.store.verify(self.store.path(step_dir_name(step))).ok
-            committed[0] = int(ok)
             if ok:
                 self._quarantine_damaged()
-        if self.ctx.distributed:
-            dist.broadcast(committed, src=0, group=self.final_group)
-        if not committed[0]:
+            return FinalOutcome(ok)
+
+        if not decide_on_rank0(self.ctx, self.final_group, commit, FinalOutcome).committed:
             if self.ctx.is_main:
                 self._report_uncommitted("final")
             raise FinalStateError(

@@ -5,8 +5,8 @@ In a checkout `launch/local.sh` runs this module with the checkout's .venv; inst
 
 Every agent runs `torchrun --nnodes=MIN:MAX --nproc_per_node=P --rdzv_backend=c10d` on a free port with
 its own log file under <run.dir>/agents/, with the settings of `elastic_qa.launcher.rendezvous`. Two torch
-2.13 traps are handled here (see README): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and exactly
-one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
+2.13 traps are handled here (see docs/running.md): joiners need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and
+exactly one same-host agent is `is_host=1` (it holds the c10d store). The job description is kept in
 <run.dir>/launch.json so that join/leave/stop find it. Each action is logged as one JSON line in
 <run.dir>/agents/launch.jsonl; the terminal gets the job's progress and sentences (launcher/terminal.py).
 The agents `start` launches are tied to it: if it dies, however it dies, they get SIGTERM and stop.
@@ -31,7 +31,7 @@ from typing import Any
 
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
-from elastic_qa.data.squad import DataError
+from elastic_qa.data.examples import DataError
 from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
@@ -180,8 +180,8 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     # Here, not at the top: they import torch (seconds on a loaded host), which `join` (a new agent while
     # the job runs), `leave`, `stop` and `status` do not need.
     from elastic_qa.checkpoint.locate import newest_saved_trainer
-    from elastic_qa.data.cache import prepare
     from elastic_qa.models import family_for
+    from elastic_qa.prep import prepare
 
     configure_terminal_logging()  # in-process work (the cache build) speaks in sentences, if at all
     try:

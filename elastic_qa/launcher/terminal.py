@@ -71,7 +71,7 @@ class JobMonitor:
 def newest_saved_step(checkpoint_dir: str) -> int | None:
     """The step of the newest committed checkpoint, or None (none, or the store cannot be read)."""
     # Here, not at the top: it imports torch, which `join`, `leave` and `stop` should not wait for.
-    from elastic_qa.checkpoint.store import open_store
+    from elastic_qa.checkpoint.backends import open_store
 
     try:
         steps = open_store(checkpoint_dir).list_steps()

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from elastic_qa.config import Config, ConfigError, ModelConfig
+from elastic_qa.data.examples import QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.squad import QAExample
-from elastic_qa.data.tokenizer import Tokenizer
 from elastic_qa.models import native
 from elastic_qa.models.loss import span_loss, span_loss_per_window
+from elastic_qa.prep.tokenizer import Tokenizer
 
 # The batch keys a model is called with (data.loader.collate produces them).
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")

@@ -31,8 +31,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForQuestionAnswering, AutoTokenizer
 
 from elastic_qa.config import Config, ConfigError
+from elastic_qa.data.examples import QAExample
 from elastic_qa.data.features import Features
-from elastic_qa.data.squad import QAExample
 from elastic_qa.models.hf_export import load_pretrained_qa, save_pretrained_qa
 from elastic_qa.models.hf_source import mismatch, one_line, refused_pickle, resolve
 

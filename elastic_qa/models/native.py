@@ -12,10 +12,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elastic_qa.config import Config, ModelConfig
-from elastic_qa.data.features import BuiltinFeaturizer
-from elastic_qa.data.tokenizer import PAD, SEP
-from elastic_qa.data.wordpiece import VOCAB_FILE, read_vocab_file
+from elastic_qa.data.cache import VOCAB_FILE
 from elastic_qa.exits import UsageError
+from elastic_qa.prep.tokenizer import PAD, SEP
+from elastic_qa.prep.windows import BuiltinFeaturizer
+from elastic_qa.prep.wordpiece import read_vocab_file
 
 # Masked logits stay finite so that a window whose only valid position is [CLS] never produces NaN.
 _MASKED = -1e4

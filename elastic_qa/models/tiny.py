@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic_qa.data import synthetic
+from elastic_qa.prep import synthetic
 
 if TYPE_CHECKING:  # the `hf` extra, imported where it is used
     from tokenizers import Tokenizer

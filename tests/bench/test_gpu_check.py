@@ -19,7 +19,7 @@ from elastic_qa.bench.cli import main as bench
 from elastic_qa.bench.gpu_evidence import Checks, scaler_restored
 from elastic_qa.chaos.evidence import checkpoint_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.launcher.processes import python_env
 
 

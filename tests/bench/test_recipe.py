@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from elastic_qa.bench.cli import main
-from elastic_qa.data import synthetic
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
+from elastic_qa.prep import synthetic
 
 
 @pytest.fixture(scope="module")

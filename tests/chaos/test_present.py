@@ -8,7 +8,7 @@ from pathlib import Path
 
 from elastic_qa.chaos.present import describe_check, format_table, verdict_html, write_report
 from elastic_qa.chaos.verify import Verdict
-from tests.observe.runs import T0, write_run
+from tests.report.runs import T0, write_run
 
 CHECKS = {
     "completed": {"ok": True, "detail": "train_done at step 100 of 100, exit 0"},

@@ -10,8 +10,9 @@ import torch
 
 from elastic_qa.chaos.evidence import run_config
 from elastic_qa.chaos.verify import judge_faults, verify_run
-from elastic_qa.checkpoint.state import MODEL_FILE
-from elastic_qa.checkpoint.store import CheckpointStore, serialize
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.payload import MODEL_FILE
+from elastic_qa.checkpoint.store import serialize
 from elastic_qa.observe.follow import read_events
 from tests.chaos.conftest import STEPS
 from tests.leftovers import DAMAGED_ON_PURPOSE
@@ -67,7 +68,7 @@ def test_a_corrupt_retained_checkpoint_is_caught(copy_of) -> None:
 def test_a_final_model_that_differs_is_caught(copy_of) -> None:
     run, reference = copy_of("run"), copy_of("reference")
     cfg = run_config(reference)
-    store = CheckpointStore(cfg.checkpoint_dir)
+    store = open_store(cfg.checkpoint_dir)
     final = Path(store.path(f"step-{STEPS:08d}"))
     files = {name: (final / name).read_bytes() for name in ("model.pt", "optimizer.pt", "trainer.pt")}
     model = torch.load(final / MODEL_FILE, weights_only=True)

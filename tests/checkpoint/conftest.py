@@ -11,6 +11,7 @@ import structlog
 from fsspec.implementations.memory import MemoryFileSystem
 from structlog.testing import capture_logs
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.store import CheckpointStore
 from tests.checkpoint.faulty_fs import FaultyFileSystem, faults
 
@@ -35,13 +36,13 @@ def clean_memory_stores() -> Iterator[None]:
 def store(request: pytest.FixtureRequest, tmp_path) -> CheckpointStore:
     """A checkpoint store on local disk (atomic rename) and on memory:// (no rename)."""
     if request.param == "local":
-        return CheckpointStore(str(tmp_path / "ckpt"))
-    return CheckpointStore(f"memory://ckpt-{next(_names)}")
+        return open_store(str(tmp_path / "ckpt"))
+    return open_store(f"memory://ckpt-{next(_names)}")
 
 
 @pytest.fixture
 def faulty_store() -> CheckpointStore:
-    return CheckpointStore(f"faulty://ckpt-{next(_names)}")
+    return open_store(f"faulty://ckpt-{next(_names)}")
 
 
 @pytest.fixture

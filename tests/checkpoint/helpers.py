@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state, versions
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, rng_state, versions
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore, serialize, step_dir_name
 
 

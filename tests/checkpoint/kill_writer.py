@@ -23,11 +23,11 @@ import traceback
 
 import torch
 
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, versions
 from elastic_qa.config import CheckpointConfig
-from elastic_qa.elastic.fencing import Fence
 from elastic_qa.observe.log import configure_logging
 
 MODEL_FLOATS = 512 * 1024  # 2 MiB
@@ -57,7 +57,7 @@ def die(where: str) -> None:
 
 def writer(directory: str, progress: str, logs: str, kill_save: int, kill_point: str) -> None:
     configure_logging(logs, "info")
-    store = CheckpointStore(directory)
+    store = open_store(directory)
     fence = Fence(store)
     attempt = fence.register(world_size=1)  # what a restarted job does first
     saves = {"n": 0, "files": 0}

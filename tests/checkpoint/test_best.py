@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from elastic_qa import ckpt as inspect
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.best import BestTracker, best_of, best_record
 from elastic_qa.checkpoint.locate import load_best_checkpoint
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
+from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig, ConfigError, load_config, packaged_config
 from tests.checkpoint.helpers import Trainee, manifest_fields
@@ -122,7 +123,7 @@ class Saves:
     """Synchronous saves of a small state, each with the manifest fields the trainer's tracker writes."""
 
     def __init__(self, root: Path, keep_last: int, attempt: int = 1) -> None:
-        self.store = CheckpointStore(str(root))
+        self.store = open_store(str(root))
         self.failing = False
         self.checkpointer = Checkpointer(
             CheckpointConfig(async_=False, keep_last=keep_last, keep_best="f1"),
@@ -218,7 +219,7 @@ def test_ckpt_list_marks_the_best_with_its_score(tmp_path: Path, capsys: pytest.
 
 
 def test_export_best_of_a_run_without_one_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     Checkpointer(CheckpointConfig(async_=False), store).save(10, Trainee().state(), manifest_fields())
 
     with pytest.raises(CheckpointError, match="no best checkpoint"):

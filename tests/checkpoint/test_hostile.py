@@ -16,8 +16,9 @@ import pytest
 
 from elastic_qa import ckpt as inspect
 from elastic_qa.checkpoint import locate
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, serialize, step_dir_name
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig
@@ -77,18 +78,18 @@ def tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def local(tmp_path: Path) -> CheckpointStore:
-    return CheckpointStore(str(tmp_path / "ckpt"))
+    return open_store(str(tmp_path / "ckpt"))
 
 
 # ---- 7: a checkpoint pruned while it is being verified is gone, not damaged ---------------------------
 
 
-def pruned_underfoot(target: str, when: str) -> type[CheckpointStore]:
-    """A store whose checkpoint `target` is deleted by a concurrent pruner just before (or just after)
-    its manifest is read: the moments a real prune can hit `ckpt verify`."""
+def pruned_underfoot(backend: type[CheckpointStore], target: str, when: str) -> type[CheckpointStore]:
+    """A store (of concrete class `backend`) whose checkpoint `target` is deleted by a concurrent pruner
+    just before (or just after) its manifest is read: the moments a real prune can hit `ckpt verify`."""
     pruned: list[str] = []
 
-    class PrunedUnderfoot(CheckpointStore):
+    class PrunedUnderfoot(backend):
         def read_manifest(self, path: str) -> dict[str, Any]:
             if path.endswith(target) and not pruned and when == "before-manifest":
                 pruned.append(path)
@@ -108,7 +109,7 @@ def test_ckpt_verify_reports_a_checkpoint_pruned_while_verifying_as_gone_not_bad
 ) -> None:
     for step in (10, 20, 30):
         store.commit(step, small_files(step), manifest_fields())
-    pruned = pruned_underfoot(step_dir_name(20), when)
+    pruned = pruned_underfoot(type(store), step_dir_name(20), when)
     monkeypatch.setattr(locate, "open_store", lambda url: pruned(url))
 
     code = inspect.cmd_verify(store.url)
@@ -124,7 +125,7 @@ def test_ckpt_list_leaves_out_a_checkpoint_pruned_while_listing(
 ) -> None:
     for step in (10, 20):
         store.commit(step, small_files(step), manifest_fields())
-    pruned = pruned_underfoot(step_dir_name(10), "after-manifest")
+    pruned = pruned_underfoot(type(store), step_dir_name(10), "after-manifest")
     monkeypatch.setattr(locate, "open_store", lambda url: pruned(url))
 
     assert inspect.cmd_list(store.url) == 0
@@ -335,7 +336,7 @@ def test_a_file_larger_than_its_manifest_says_is_refused(local: CheckpointStore)
 @pytest.fixture
 def other_run(tmp_path: Path) -> Path:
     """Another run's committed checkpoint (step 5), outside our checkpoint directory."""
-    other = CheckpointStore(str(tmp_path / "other-run" / "checkpoints"))
+    other = open_store(str(tmp_path / "other-run" / "checkpoints"))
     other.commit(5, small_files(5), manifest_fields())
     return tmp_path / "other-run"
 
@@ -413,7 +414,7 @@ def test_steps_of_nine_and_more_digits_are_listed_resumed_and_pruned_in_numeric_
 
 
 def test_a_step_name_of_thousands_of_digits_is_ignored_not_a_crash() -> None:
-    store = CheckpointStore("memory://ckpt-digits")
+    store = open_store("memory://ckpt-digits")
     store.commit(1, small_files(1), manifest_fields())
     store.fs.makedirs(store.path("step-" + "9" * 5000), exist_ok=True)
 
@@ -491,7 +492,7 @@ def test_ckpt_show_of_anything_but_a_valid_checkpoint_exits_2_with_one_line(
 
 
 def test_ckpt_show_of_a_valid_checkpoint_under_another_name_shows_it(tmp_path: Path, capsys) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     store.commit(3, small_files(3), manifest_fields())
     renamed = tmp_path / "ckpt" / "step-abc"
     os.rename(store.path(step_dir_name(3)), renamed)

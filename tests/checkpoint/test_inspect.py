@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from elastic_qa import ckpt as inspect
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, step_dir_name
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig
@@ -44,7 +45,7 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
 @pytest.fixture
 def checkpoints(tmp_path: Path) -> CheckpointStore:
     """Steps 10, 20 and 30, with step 20's model.pt damaged (one flipped byte)."""
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     ckpt = Checkpointer(CheckpointConfig(async_=False, keep_last=5), store)
     trainee = Trainee()
     for step in (10, 20, 30):
@@ -96,7 +97,7 @@ def test_ckpt_verify_list_and_show_from_the_command_line(checkpoints: Checkpoint
 def test_verify_loads_every_file_so_a_crafted_pickle_is_bad_even_with_a_matching_sha256(
     tmp_path: Path, capsys
 ) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     marker = tmp_path / "pwned"
     store.commit(5, {**small_files(5), MODEL_FILE: crafted_tensor_file(str(marker))}, manifest_fields())
 
@@ -108,7 +109,7 @@ def test_verify_loads_every_file_so_a_crafted_pickle_is_bad_even_with_a_matching
 
 
 def test_verify_reports_a_step_directory_without_a_manifest(tmp_path: Path, capsys) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     store.commit(5, small_files(5), manifest_fields())
     (tmp_path / "ckpt" / step_dir_name(6)).mkdir()
 

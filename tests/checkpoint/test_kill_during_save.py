@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.manager import Checkpointer
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointStore
 from elastic_qa.config import CheckpointConfig
@@ -66,7 +67,7 @@ def test_killing_the_writer_at_any_point_never_loses_or_damages_a_committed_chec
         stderr=stderr,
         text=True,
     )
-    store = CheckpointStore(str(root))
+    store = open_store(str(root))
     saw_staging = 0
     pid = None
     try:

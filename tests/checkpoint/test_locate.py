@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.locate import load_checkpoint, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, step_dir_name
+from elastic_qa.checkpoint.store import CheckpointError, step_dir_name
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig
 from tests.checkpoint.helpers import Trainee, manifest_fields
 
 
 def save_steps(directory: Path, *steps: int) -> None:
-    checkpointer = Checkpointer(CheckpointConfig(async_=False, keep_last=5), CheckpointStore(str(directory)))
+    checkpointer = Checkpointer(CheckpointConfig(async_=False, keep_last=5), open_store(str(directory)))
     trainee = Trainee()
     for step in steps:
         trainee.step = step

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from elastic_qa.checkpoint import manager as manager_module
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.manager import Checkpointer
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, step_dir_name
 from elastic_qa.config import CheckpointConfig
-from elastic_qa.elastic.fencing import Fence
 from tests.checkpoint.faulty_fs import faults
 from tests.checkpoint.helpers import (
     Trainee,
@@ -390,7 +391,7 @@ def test_a_fatal_failure_of_the_save_in_flight_stops_the_very_next_save(
     if error == "storage":
         faults.fail_writes(after=1)
     else:
-        Fence(CheckpointStore(faulty_store.url)).register(world_size=1)
+        Fence(open_store(faulty_store.url)).register(world_size=1)
     state = Trainee().state()
 
     ckpt.save(1, state, manifest_fields())  # fails in the background, fatally
@@ -521,7 +522,7 @@ def test_a_stale_attempt_cannot_commit_once_a_newer_one_registered(
     stale.wait()
     assert committed_steps(store) == [1]  # not stale yet
 
-    new_fence = Fence(CheckpointStore(store.url))
+    new_fence = Fence(open_store(store.url))
     assert new_fence.register(world_size=1) == 2
     stale.save(2, Trainee().state(), manifest_fields())
     stale.wait()
@@ -540,6 +541,6 @@ def test_a_stale_attempt_cannot_commit_once_a_newer_one_registered(
 
 
 def test_attempt_numbers_only_grow(store: CheckpointStore) -> None:
-    numbers = [Fence(CheckpointStore(store.url)).register(world_size=2) for _ in range(3)]
+    numbers = [Fence(open_store(store.url)).register(world_size=2) for _ in range(3)]
     assert numbers == [1, 2, 3]
     assert Fence(store).newest() == 3

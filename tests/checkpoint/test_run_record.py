@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.run_record import belongs, new_record, read_record, write_record
-from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD, CheckpointStore
+from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, load_config, packaged_config
 from elastic_qa.elastic.session import _uuid_of, _uuid_words
@@ -42,7 +43,7 @@ def first(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
 
 
 def test_the_run_is_recorded_in_its_checkpoint_directory_and_every_manifest(first: Path) -> None:
-    record = read_record(CheckpointStore(str(first / "checkpoints")))
+    record = read_record(open_store(str(first / "checkpoints")))
     assert record is not None and record.run_dir == str(first.resolve())
     for name in steps(first / "checkpoints"):
         assert json.loads((first / "checkpoints" / name / MANIFEST).read_text())["run"] == record.run
@@ -135,7 +136,7 @@ def test_the_same_run_restarted_resumes_and_so_do_checkpoints_from_before_run_re
     trained_ok(run_dir, cache_dir, "train.max_steps=60")
     assert [e["step"] for e in events(run_dir, "resume")][-1] == 50
     assert [e["run_dir"] for e in events(run_dir, "checkpoint_run_adopted")] == [str(run_dir.resolve())]
-    record = read_record(CheckpointStore(str(checkpoints)))
+    record = read_record(open_store(str(checkpoints)))
     assert record is not None and record.run_dir == str(run_dir.resolve())
     assert json.loads((checkpoints / "step-00000060" / MANIFEST).read_text())["run"] == record.run
 
@@ -143,7 +144,7 @@ def test_the_same_run_restarted_resumes_and_so_do_checkpoints_from_before_run_re
 def test_a_regroup_or_another_host_of_the_same_torchrun_job_belongs_to_the_run(tmp_path: Path) -> None:
     """The job id decides where run.dir does not: a host whose run.dir path differs (one checkpoint.dir
     URL, one --rdzv-id) is the same run; another job with another run.dir is not."""
-    store = CheckpointStore(str(tmp_path / "shared"))
+    store = open_store(str(tmp_path / "shared"))
     record = new_record("", str(tmp_path / "host-a" / "run"), "eqa-job1")
     write_record(store, record)
     assert read_record(store) == record

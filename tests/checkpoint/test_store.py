@@ -11,7 +11,8 @@ import pickle
 import pytest
 import torch
 
-from elastic_qa.checkpoint.state import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import (
     MANIFEST,
     REJECTED_DIR,
@@ -19,7 +20,6 @@ from elastic_qa.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     StaleWriterError,
-    open_store,
     staging_dir_name,
     step_dir_name,
 )
@@ -45,22 +45,18 @@ from tests.checkpoint.helpers import (
 FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
 
 
-def test_checkpoint_store_picks_rename_for_local_paths_and_manifest_last_elsewhere(tmp_path) -> None:
+def test_open_store_picks_rename_for_local_paths_and_manifest_last_elsewhere(tmp_path) -> None:
     for url in (str(tmp_path / "ckpt"), f"file://{tmp_path}/ckpt"):
-        assert type(CheckpointStore(url)) is RenameCommitStore
         assert type(open_store(url)) is RenameCommitStore
     for url in ("memory://ckpt-kind", "faulty://ckpt-kind"):
-        assert type(CheckpointStore(url)) is ManifestLastStore
         assert type(open_store(url)) is ManifestLastStore
-    local = CheckpointStore(str(tmp_path / "ckpt"))
-    assert type(CheckpointStore(local.path("sub"), local.fs)) is RenameCommitStore  # an fs given is used
+    local = open_store(str(tmp_path / "ckpt"))
+    assert type(open_store(local.path("sub"), local.fs)) is RenameCommitStore  # an fs given is used
 
-    class Spy(CheckpointStore):  # a subclass that is no backend gets the right one mixed in under it
-        pass
 
-    assert isinstance(Spy(str(tmp_path / "ckpt")), RenameCommitStore)
-    assert isinstance(Spy("memory://ckpt-kind"), ManifestLastStore)
-    assert isinstance(Spy("memory://ckpt-kind"), Spy)
+def test_the_abstract_base_is_no_store_of_its_own(tmp_path) -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        CheckpointStore(str(tmp_path / "ckpt"))
 
 
 def test_a_committed_checkpoint_is_listed_verified_and_loaded(store: CheckpointStore) -> None:
@@ -107,7 +103,7 @@ def test_the_manifest_records_each_files_size_and_sha256_and_the_run(store: Chec
 
 
 def test_a_local_checkpoint_holds_exactly_the_three_tensor_files_and_the_manifest(tmp_path) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     store.commit(420, small_files(420), manifest_fields())
 
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-00000420"]
@@ -311,7 +307,7 @@ def test_a_half_done_remove_leaves_a_directory_that_is_no_checkpoint(faulty_stor
 
 def test_clean_staging_removes_only_older_attempts_staging_and_nothing_it_did_not_name(tmp_path) -> None:
     root = tmp_path / "ckpt"
-    store = CheckpointStore(str(root))
+    store = open_store(str(root))
     committed = store.commit(1, small_files(1), manifest_fields())
     older = root / staging_dir_name(6, 2, "aaaaaaaa")
     current = root / staging_dir_name(7, 3, "bbbbbbbb")
@@ -336,7 +332,7 @@ def test_clean_staging_removes_only_older_attempts_staging_and_nothing_it_did_no
 
 
 def test_clean_staging_does_nothing_on_stores_without_rename() -> None:
-    store = CheckpointStore("memory://ckpt-staging")
+    store = open_store("memory://ckpt-staging")
     store.commit(1, small_files(1), manifest_fields())
 
     assert store.clean_staging(attempt=9) == []
@@ -394,7 +390,7 @@ def test_a_storage_error_mid_commit_leaves_nothing_behind(
 def test_a_local_storage_error_mid_commit_removes_the_staging_directory(
     tmp_path, monkeypatch, failing_write
 ) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     older = store.commit(1, small_files(1), manifest_fields())
     before = snapshot(store, older)
     real_write = store._write
@@ -443,7 +439,7 @@ def test_only_one_of_two_writers_racing_for_the_manifest_commits(
 
 
 def test_a_local_delete_that_fails_midway_leaves_no_step_directory_behind(tmp_path, monkeypatch) -> None:
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = open_store(str(tmp_path / "ckpt"))
     keep = store.commit(2, small_files(2), manifest_fields())
     path = store.commit(3, small_files(3), manifest_fields())
     real_rm = store.fs.rm

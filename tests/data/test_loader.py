@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from elastic_qa.data.cursor import GlobalCursor, rank_slice
-from elastic_qa.data.features import build_features
 from elastic_qa.data.loader import build_train_loader, collate
-from elastic_qa.data.synthetic import generate
-from elastic_qa.data.tokenizer import PAD, WordTokenizer
+from elastic_qa.prep.synthetic import generate
+from elastic_qa.prep.tokenizer import PAD, WordTokenizer
+from elastic_qa.prep.windows import build_features
 
 # loader.py silences this at import, but pytest restores the warning filters around every test
 pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_REGROUP
 from elastic_qa.observe.follow import read_events
@@ -80,7 +80,7 @@ def test_a_closed_terminal_stops_a_single_process_run_which_saves_its_step_and_e
         _, stderr = worker.communicate(timeout=60)
     finally:
         worker.kill()
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     saved = [info.step for info in store.list_steps() if store.verify(info.path).ok]
     assert len(saved) == 1 and seen <= saved[0] < 300, (saved, stderr[-2000:])
     assert worker.returncode == 128 + signal.SIGHUP

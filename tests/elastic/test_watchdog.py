@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.config import load_config
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
@@ -108,7 +108,7 @@ def run_orphaned(run_dir: Path, cache: Path, env: dict[str, str], kill_at_step: 
 
 
 def committed_steps(run_dir: Path) -> list[int]:
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     return [info.step for info in store.list_steps() if store.verify(info.path).ok]
 
 

@@ -26,12 +26,12 @@ from elastic_qa.chaos.evidence import (
 )
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
-from elastic_qa.data.cache import prepare
 from elastic_qa.dist import usable_cores
 from elastic_qa.holds import arm, release
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import prepare
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from elastic_qa.chaos.evidence import attempts, check_checkpoints, run_config
 from elastic_qa.chaos.job import Job
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.cli import main as cli_main
 from elastic_qa.export import EXPORT_FILE
 from elastic_qa.observe.follow import read_events
@@ -92,7 +92,7 @@ def test_an_early_stopped_run_started_again_is_done_until_its_patience_is_raised
 ) -> None:
     run_dir = tmp_path / "run"
     train_tiny(run_dir, cache_dir, *KEEP_BEST, "train.threads=1")
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     stopped = [info.step for info in store.list_steps()]
     assert stopped[-1] == 30
 

@@ -26,11 +26,11 @@ from elastic_qa.bench.recipe_qa import (
 from elastic_qa.chaos.job import Job
 from elastic_qa.cli import main
 from elastic_qa.config import resolve_config
-from elastic_qa.data.cache import prepare
 from elastic_qa.evaluation import predict
 from elastic_qa.export import load_for_prediction
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import prepare
 from tests.integration.test_elastic import finish
 
 transformers = pytest.importorskip("transformers")

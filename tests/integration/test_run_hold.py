@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.chaos.job import Job
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.observe.follow import read_events
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,7 @@ def test_a_start_after_the_holding_job_was_killed_resumes_its_checkpoint(
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     job = Job(
         run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS, "checkpoint.every_steps=10"], agents=1
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.chaos.job import Job
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.launcher.terminal import DEFAULT_PROG
 from elastic_qa.observe.follow import read_events
 
@@ -49,7 +49,7 @@ def test_ctrl_c_exits_130_and_sigterm_143_after_saving_and_the_printed_command_r
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=1, max_nodes=1)
     job.start()
     code, output = stop_with(job, signal.SIGINT, at_step=4)  # past the warm-up
@@ -147,7 +147,7 @@ def test_join_and_leave_say_what_they_did_and_a_requested_stop_that_saved_exits_
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=1, max_nodes=2)
     job.start()
     try:

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from elastic_qa.config import ConfigError, load_config, packaged_config
-from elastic_qa.data import synthetic
+from elastic_qa.data.examples import Answer, QAExample
 from elastic_qa.data.loader import collate
-from elastic_qa.data.squad import Answer, QAExample
+from elastic_qa.prep import synthetic
 from tests.conftest import REPO
 
 pytest.importorskip("transformers")

@@ -17,10 +17,10 @@ import pytest
 
 from elastic_qa.cli import main
 from elastic_qa.config import Config, load_config
-from elastic_qa.data import synthetic
-from elastic_qa.data.squad import QAExample
+from elastic_qa.data.examples import QAExample
 from elastic_qa.export import CONFIG_FILE
 from elastic_qa.models import family_for
+from elastic_qa.prep import synthetic
 
 pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ json.dump({"version": transformers.__version__, "answers": answers}, sys.stdout)
 
 
 def pipeline_arguments(cfg: Config) -> dict:
-    """The pipeline's arguments that decide as `ask` does with this config (see the README's export part)."""
+    """The pipeline's arguments that decide as `ask` does with this config (see docs/evaluation.md)."""
     return {
         "max_seq_len": cfg.data.max_seq_len,
         "doc_stride": cfg.data.doc_stride,  # both: tokens shared by consecutive windows

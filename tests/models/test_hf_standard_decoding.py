@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from elastic_qa.cli import main
-from elastic_qa.data import synthetic
-from elastic_qa.data.squad import QAExample
+from elastic_qa.data.examples import QAExample
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import synthetic
 from tests.models.test_hf import headless
 
 transformers = pytest.importorskip("transformers")

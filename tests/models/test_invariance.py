@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.data import synthetic
 from elastic_qa.data.loader import collate
 from elastic_qa.models import family_for
 from elastic_qa.models.invariance import PROBE_TOKENS, _first_tokens, freeze, loss_invariant_parameters
 from elastic_qa.optim import build_optimizer, decay_groups
+from elastic_qa.prep import synthetic
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 

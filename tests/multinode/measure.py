@@ -1,4 +1,5 @@
-"""Measure the multi-host scenarios of the README with `elastic-qa node` on namespace hosts (needs root).
+"""Measure the multi-host scenarios of docs/several-hosts.md with `elastic-qa node` on namespace hosts
+(needs root).
 
     python -m tests.multinode.measure [--scenarios formation,node-loss,...] [--out FILE.jsonl]
 
@@ -27,9 +28,9 @@ from pathlib import Path
 from elastic_qa.chaos.evidence import attempts
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.config import resolve_config
-from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import prepare
 from tests.multinode.cluster import ETCD_INDEX, Cluster
 from tests.multinode.jobs import OVERRIDES, start_etcd, start_nodes, wait_all, wait_for_step
 

@@ -15,9 +15,9 @@ import pytest
 from elastic_qa.chaos.evidence import attempts, check_checkpoints, check_ledger, run_config
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.config import resolve_config
-from elastic_qa.data.cache import prepare
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep import prepare
 from tests.multinode.cluster import ETCD_INDEX, Cluster, unavailable
 from tests.multinode.jobs import (
     MAX_STEPS,

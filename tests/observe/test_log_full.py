@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_qa.checkpoint.store import CheckpointStore
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.log import file_safe, node_name
 from tests.conftest import tiny_overrides
@@ -23,7 +23,7 @@ def command(run_dir: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def committed_steps(run_dir: Path) -> list[int]:
-    store = CheckpointStore(str(run_dir / "checkpoints"))
+    store = open_store(str(run_dir / "checkpoints"))
     return [info.step for info in store.list_steps() if store.verify(info.path).ok]
 
 

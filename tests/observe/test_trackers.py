@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from elastic_qa.config import ConfigError, resolve_config
 from elastic_qa.observe.trackers import STANDBY_RECORDS, Trackers
 from elastic_qa.observe.trackers.background import QUEUE_CALLS, BackgroundTracker, Record
-from elastic_qa.state import ResumeError, metrics_backlog
+from elastic_qa.train_state import ResumeError, metrics_backlog
 
 TIMEOUT_S = 60.0
 

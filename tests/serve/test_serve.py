@@ -59,7 +59,7 @@ def post(url: str, body: Any) -> tuple[int, Any]:
 def test_the_long_context_needs_several_windows(trained: Path) -> None:
     import torch
 
-    from elastic_qa.data.squad import QAExample
+    from elastic_qa.data.examples import QAExample
     from elastic_qa.export import load_for_prediction
 
     loaded = load_for_prediction(str(trained), torch.device("cpu"))

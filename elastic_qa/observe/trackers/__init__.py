@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
-from pathlib import Path
 
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.observe.trackers.background import QUEUE_CALLS, BackgroundTracker, Record, TrackerRun
@@ -34,10 +33,6 @@ def check_installed(cfg: Config) -> None:
             module, extra = _PACKAGES[name]
             if importlib.util.find_spec(module) is None:
                 raise ConfigError(f"log.trackers lists {name}, which needs a package: pip install '{extra}'")
-
-
-def tracker_run_name(cfg: Config) -> str:
-    return cfg.log.tracker_run_name or Path(cfg.run.dir).resolve().name
 
 
 class Trackers:

@@ -23,8 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol, TypeVar
 
+from elastic_qa.config import Config
 from elastic_qa.observe.log import get_logger
 
 # How far a tracker may fall behind before it is dropped. 1,000 calls are 100 s of steps at 10 steps/s with
@@ -176,3 +178,8 @@ class BackgroundTracker:
                 fresh.append((step, new))
                 self.high_water.update(dict.fromkeys(new, step))
         return fresh
+
+
+def tracker_run_name(cfg: Config) -> str:
+    """The run's name in a tracker: log.tracker_run_name, else the run directory's name."""
+    return cfg.log.tracker_run_name or Path(cfg.run.dir).resolve().name

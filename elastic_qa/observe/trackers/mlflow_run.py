@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from elastic_qa.config import Config
-from elastic_qa.observe.trackers.background import Record
+from elastic_qa.observe.trackers.background import Record, tracker_run_name
 
 RUN_TAG = "elastic_qa.run"
 # MLflow's limits: metrics and params per log_batch call, characters of a param's value.
@@ -26,7 +26,6 @@ class MlflowRun:
     pending_records = 0  # log_batch returns once the store has the metrics
 
     def __init__(self, cfg: Config, run_uuid: str) -> None:
-        from elastic_qa.observe.trackers import tracker_run_name
 
         self.settings = cfg.log.mlflow
         self.run_uuid = run_uuid

@@ -16,7 +16,7 @@ from typing import Any
 
 from elastic_qa.config import Config
 from elastic_qa.observe.log import get_logger
-from elastic_qa.observe.trackers.background import QUEUE_CALLS, Record
+from elastic_qa.observe.trackers.background import QUEUE_CALLS, Record, tracker_run_name
 
 
 class WandbRun:
@@ -26,7 +26,6 @@ class WandbRun:
     pending_records = QUEUE_CALLS
 
     def __init__(self, cfg: Config, run_uuid: str) -> None:
-        from elastic_qa.observe.trackers import tracker_run_name
 
         self.settings = cfg.log.wandb
         self.run_uuid = run_uuid
