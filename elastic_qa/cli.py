@@ -9,9 +9,10 @@
     elastic-qa ask --checkpoint PATH --context TEXT --question TEXT [--json]
     elastic-qa export PATH --out DIR [--force] [--best] weights + config, no training state
     elastic-qa ckpt list|verify|show PATH               look at checkpoints without training
-    elastic-qa bench throughput|checkpoint|probe|resume|recovery|scaling|drift|prepare [...]
+    elastic-qa bench NAME [...]                         benchmarks (`elastic-qa bench --help` lists them)
     elastic-qa chaos run|verify|schedule [...]          break a job on purpose, verify nothing was lost
     elastic-qa report RUN_DIR                           one self-contained HTML page of a run
+    elastic-qa dashboard RUN_DIR [--port N]             the run report, live, in a browser (127.0.0.1)
     elastic-qa serve MODEL [--port N] [--max-batch N] [...]   answer questions over HTTP (JSON API, a page)
     elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
                                                         this host's part of a multi-node job (torchrun)
@@ -258,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help=CHECKPOINT_HELP)
     sub.add_parser(
-        "bench", help="benchmarks: throughput, checkpoint, probe, resume, recovery, scaling, drift, prepare"
+        "bench", help="benchmarks: throughput, compile, checkpoint, resume, recovery, drift, serve, ..."
     )
     sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
     sub.add_parser("serve", help="answer questions over HTTP: a JSON API and a page (docs/serve.md)")
