@@ -31,7 +31,7 @@ from elastic_qa.compile import CompileWatch, compile_model, use_compile_cache
 from elastic_qa.config import Config, ConfigError
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.data.loader import build_train_loader, collate
+from elastic_qa.data.loader import StepBatch, build_train_loader, collate
 from elastic_qa.dist import CommTimer, DistContext, decide_on_rank0, unwrap, wrap_model
 from elastic_qa.elastic.control import (
     ControlPlane,
@@ -144,11 +144,10 @@ class Trainer:
             cfg.dist.control_period.total_seconds(),
             gloo_all_reduce(self.control_group) if ctx.distributed else None,
         )
-        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group)
+        self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
+        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group, self.timer.add_stall)
         # Shared with the agent watchdog, which asks for a stop through it when the agent dies.
         self.stop_request = stop_request or StopRequest()
-        self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
-        self.session.on_stall = self.timer.add_stall
         self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         tensorboard = "tensorboard" in cfg.log.tracker_names
@@ -178,12 +177,30 @@ class Trainer:
         if self.ctx.is_main:
             self.log.info("frozen_parameters", count=len(frozen), names=frozen)
 
-    def restore(self) -> None:
+    def start(self, **worker_fields: Any) -> int:
+        """Restore, register this attempt and say so, in the one order a start may take: the restore reads
+        only, so a start refused as bad input (exit 2) writes nothing and fences no job running on this run.
+        `worker_fields` go into the `worker_start` line; returns the attempt number."""
+        self._restore()
+        attempt = self._register_attempt()
+        ctx = self.ctx
+        self.log.info(
+            "worker_start",
+            attempt=attempt,
+            world_size=ctx.world_size,
+            backend=ctx.backend,
+            device=str(ctx.device),
+            **worker_fields,
+        )
+        self._log_start()
+        return attempt
+
+    def _restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
         self.session.restore()
         self.console.total = self.state.end_step
 
-    def register_attempt(self) -> int:
+    def _register_attempt(self) -> int:
         attempt = self.session.register()
         # The run's uuid is in its checkpoint directory's record from here on.
         backlog = self.state.metrics_backlog
@@ -194,7 +211,7 @@ class Trainer:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)
         return attempt
 
-    def log_start(self) -> None:
+    def _log_start(self) -> None:
         """Say where training starts: `resume` (with the checkpoint) or `start_fresh`."""
         loaded, state = self.session.restored, self.state
         if loaded is None:
@@ -202,14 +219,14 @@ class Trainer:
             new = list(getattr(unwrap(self.model), "newly_initialized", ()))
             self.log.info(
                 "start_fresh",
-                checkpoint_dir=self.session.store.url,
+                checkpoint_dir=self.session.checkpoint_url,
                 **({"newly_initialized": new} if new else {}),
             )
             return
         self.log.info(
             "resume",
             step=state.step,
-            path=self.session.store.display(loaded.path),
+            path=self.session.restored_path,
             saved_world_size=loaded.manifest.get("world_size"),
             world_size=self.ctx.world_size,
             epoch=state.cursor.epoch,
@@ -241,8 +258,8 @@ class Trainer:
             train_windows=len(self.data.train),
             world_size=self.ctx.world_size,
         )
-        self.session.schedule.saved()
-        self.control.next_control = state.step + 1
+        self.session.start_schedule()
+        self.control.begin(state.step + 1)
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
@@ -250,18 +267,17 @@ class Trainer:
                 self.timer.start_step(state.step + 1)
                 batch = next(batches)
                 self.timer.mark("data")
-                if batch["step"] != state.step + 1:  # a loader bug would silently break exactly-once
-                    raise AssertionError(f"loader produced step {batch['step']}, expected {state.step + 1}")
+                if batch.step != state.step + 1:  # a loader bug would silently break exactly-once
+                    raise AssertionError(f"loader produced step {batch.step}, expected {state.step + 1}")
                 # Rank 0's timer is asked only on control steps: while saves fail, asking moves its back-off.
-                control_step = batch["step"] >= self.control.next_control
                 pending = self.control.start(
-                    batch["step"],
+                    batch.step,
                     self.stop_request.notice(self.log),
-                    control_step and self.session.schedule.time_due(self.session.checkpointer.failing),
+                    self.control.control_step(batch.step) and self.session.time_due(),
                     self.timer.mean_step_s(),
                 )
                 if self.ledger:
-                    self.ledger.record(batch["step"], batch["epoch"], batch["indices"])
+                    self.ledger.record(batch.step, batch.epoch, batch.indices)
                 if self.compile_watch:
                     self.compile_watch.step_started()
                 stats, decision = self._train_step(batch, pending)
@@ -281,15 +297,15 @@ class Trainer:
             if self.trackers:  # a no-op after _finish or _stop closed them
                 self.trackers.close(finished=False)
 
-    def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
+    def _train_step(self, batch: StepBatch, pending: Any) -> tuple[dict[str, Any], Decision]:
         model, device, state = self.model, self.device, self.state
         if self.draws_random:
-            seed_step_rng(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank), device)
+            seed_step_rng(step_seed(self.cfg.run.seed, batch.step, self.ctx.rank), device)
         micro = self.cfg.train.micro_batch_size
-        starts = list(range(0, batch["input_ids"].shape[0], micro))
+        starts = list(range(0, batch.rows, micro))
         # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
         # the result the mean over the global batch, however unevenly the ranks' shares are split.
-        scale = self.ctx.world_size / batch["global_count"]
+        scale = self.ctx.world_size / batch.global_count
         loss_sum = torch.zeros((), device=device)
         for i, lo in enumerate(starts):
             rows = slice(lo, lo + micro)
@@ -299,16 +315,16 @@ class Trainer:
                 with torch.autocast(
                     device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
                 ):
-                    start_logits, end_logits = model(**model_inputs(batch, device, rows))
+                    start_logits, end_logits = model(**model_inputs(batch.tensors, device, rows))
                 loss = self.family.span_loss(
                     start_logits,
                     end_logits,
-                    *(batch[k][rows].to(device, non_blocking=True) for k in TARGETS),
+                    *(batch.tensors[k][rows].to(device, non_blocking=True) for k in TARGETS),
                 )
                 loss_sum += loss.detach()
                 (state.scaler.scale(loss * scale) if state.scaler else loss * scale).backward()
         self.timer.mark("forward_backward")
-        decision = self.control.finish(batch["step"], pending)  # the last collective of the step
+        decision = self.control.finish(batch.step, pending)  # the last collective of the step
         if state.scaler:
             state.scaler.unscale_(state.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -321,11 +337,12 @@ class Trainer:
             state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
-        state.complete_step(batch)  # with no collective in between: every piece of state moves together
+        # With no collective in between: every piece of state moves together.
+        state.complete_step(batch.step, batch.epoch, batch.global_count, batch.global_tokens)
         self.timer.mark("optimizer")
-        return {"loss_sum": loss_sum, "count": len(batch["indices"]), "grad_norm": grad_norm}, decision
+        return {"loss_sum": loss_sum, "count": len(batch.indices), "grad_norm": grad_norm}, decision
 
-    def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
+    def _after_step(self, batch: StepBatch, stats: dict[str, Any], decision: Decision) -> None:
         cfg, step, end = self.cfg, self.state.step, self.state.end_step
         if self.compile_watch and (news := self.compile_watch.news()):
             self.log.info("compile", step=step, **news)
@@ -336,17 +353,17 @@ class Trainer:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
             new_best = self.run_eval() is not None and self.state.best.step == step
             self.timer.mark(None)  # evaluation is none of the step's phases
-        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
-        # An early stop commits this step as the final checkpoint instead (_finish).
-        if (due or new_best) and not decision.stop and step < end and not self.state.best.exhausted:
-            self.session.save(reason="best" if new_best else "periodic")
+        # A stop commits this step as its own checkpoint instead (_stop).
+        reason = self.session.save_due(step, decision.save, new_best)
+        if reason and not decision.stop:
+            self.session.save(reason)
         self.timer.mark("log_and_save")
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
-    def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
+    def _log_step(self, batch: StepBatch, stats: dict[str, Any]) -> None:
         state = self.state
         local = torch.stack([stats["loss_sum"].float().cpu(), torch.tensor(float(stats["count"]))])
         totals = local.clone()
@@ -354,13 +371,13 @@ class Trainer:
             dist.all_reduce(totals, group=self.control_group)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         local_loss = (local[0] / local[1].clamp(min=1)).item()
-        rate = self.timer.samples_per_s(batch["global_count"])
+        rate = self.timer.samples_per_s(batch.global_count)
         lr = float(state.scheduler.get_last_lr()[0])  # a float already; torch types it float | Tensor
         grad_norm = float(stats["grad_norm"])
         self.log.info(
             "step",
             step=state.step,
-            epoch=batch["epoch"],
+            epoch=batch.epoch,
             loss=round(loss, 6),
             rank_loss=round(local_loss, 6),
             lr=lr,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_qa import debug
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
@@ -84,7 +85,19 @@ class FinalOutcome:
 
 
 class CheckpointSession:
-    def __init__(self, cfg: Config, ctx: DistContext, state: TrainState, control_group: Any) -> None:
+    """What the trainer asks of its checkpoints: restore, register, whether a save is due, and the saves.
+
+    `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        state: TrainState,
+        control_group: Any,
+        on_stall: Callable[[float], None] | None = None,
+    ) -> None:
         self.cfg, self.ctx, self.state = cfg, ctx, state
         self.control_group = control_group
         self.log = get_logger()
@@ -107,7 +120,7 @@ class CheckpointSession:
         self.run_uuid = ""  # the run this start belongs to (checkpoint/run_record.py), agreed at restore
         self._new_record: RunRecord | None = None  # rank 0: written at registration (a store without one)
         self.source: CheckpointLocation | None = None  # restored from checkpoint.resume_from, not our store
-        self.on_stall: Callable[[float], None] = lambda seconds: None
+        self.on_stall: Callable[[float], None] = on_stall or (lambda seconds: None)
 
     # ---- start-up -----------------------------------------------------------------------------------
     def restore(self) -> LoadedCheckpoint | None:
@@ -306,6 +319,34 @@ class CheckpointSession:
         """The step of the checkpoint restored from our own store (one from checkpoint.resume_from is not
         ours: this run saves that step again rather than count on it)."""
         return self.restored.step if self.restored and self.source is None else None
+
+    @property
+    def checkpoint_url(self) -> str:
+        """Where this run's checkpoints are (checkpoint.dir as the store names it)."""
+        return self.store.url
+
+    @property
+    def restored_path(self) -> str | None:
+        """The restored checkpoint as logs name it; None for a fresh start."""
+        return self.store.display(self.restored.path) if self.restored else None
+
+    # ---- when to save -------------------------------------------------------------------------------
+    def start_schedule(self) -> None:
+        """Training starts: the save timer counts from now (restore and start-up are not unsaved work)."""
+        self.schedule.saved()
+
+    def time_due(self) -> bool:
+        """Rank 0's timer says save now (backing off while saves fail); the control plane shares it."""
+        return self.schedule.time_due(self.checkpointer.failing)
+
+    def save_due(self, step: int, asked: bool, new_best: bool) -> str | None:
+        """Why the step just completed is checkpointed now ("best", "periodic"), or None: `asked` is the
+        ranks' agreed timed save, `new_best` an evaluation's new best at this step. The end step and an
+        early stop are not: the final save commits them (save_final)."""
+        due = asked or self.schedule.step_due(step) or debug.save_due(self.cfg, step)
+        if not (due or new_best) or step >= self.state.end_step or self.state.best.exhausted:
+            return None
+        return "best" if new_best else "periodic"
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, reason: str) -> None:
