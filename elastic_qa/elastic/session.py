@@ -330,6 +330,26 @@ class CheckpointSession:
         """The restored checkpoint as logs name it; None for a fresh start."""
         return self.store.display(self.restored.path) if self.restored else None
 
+    def log_start(self, newly_initialized: list[str]) -> None:
+        """Say where training starts: `resume` (with the checkpoint) or `start_fresh` (naming the
+        parameters the model built new, e.g. a base model's QA head: a resume loads them)."""
+        loaded, state = self.restored, self.state
+        if loaded is None:
+            new = {"newly_initialized": newly_initialized} if newly_initialized else {}
+            self.log.info("start_fresh", checkpoint_dir=self.store.url, **new)
+            return
+        self.log.info(
+            "resume",
+            step=state.step,
+            path=self.store.display(loaded.path),
+            saved_world_size=loaded.manifest.get("world_size"),
+            world_size=self.ctx.world_size,
+            epoch=state.cursor.epoch,
+            cursor=state.cursor.samples_consumed,
+            # fp16: the loss scale and its growth count as restored (a fresh scaler would start over).
+            **({"grad_scaler": state.scaler.state_dict()} if state.scaler else {}),
+        )
+
     # ---- when to save -------------------------------------------------------------------------------
     def start_schedule(self) -> None:
         """Training starts: the save timer counts from now (restore and start-up are not unsaved work)."""
