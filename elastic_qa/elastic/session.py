@@ -7,6 +7,8 @@ Order at start-up, so that a start refused as bad input writes nothing:
                 what older attempts left (their staging, the checkpoints rejected at restore) and restores
                 again if a checkpoint newer than the restored one was committed meanwhile by a group that
                 was still running
+Whether to save, asked by the trainer after each step: time_due (rank 0's timer, shared by the control
+plane), save_due (the reason, "best" or "periodic", or None).
 Saves: periodic (async, storage errors tolerated for checkpoint.give_up_after), stop and emergency (retried
 for checkpoint.emergency_retry_for), final (retried for checkpoint.final_retry_for; the job is done only
 once it is committed and verified).
@@ -319,16 +321,6 @@ class CheckpointSession:
         """The step of the checkpoint restored from our own store (one from checkpoint.resume_from is not
         ours: this run saves that step again rather than count on it)."""
         return self.restored.step if self.restored and self.source is None else None
-
-    @property
-    def checkpoint_url(self) -> str:
-        """Where this run's checkpoints are (checkpoint.dir as the store names it)."""
-        return self.store.url
-
-    @property
-    def restored_path(self) -> str | None:
-        """The restored checkpoint as logs name it; None for a fresh start."""
-        return self.store.display(self.restored.path) if self.restored else None
 
     def log_start(self, newly_initialized: list[str]) -> None:
         """Say where training starts: `resume` (with the checkpoint) or `start_fresh` (naming the
