@@ -121,19 +121,7 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
-        trainer.restore()  # reads only: a start refused here (exit 2) fences no job running on this run
-        attempt = trainer.register_attempt()
-        log.info(
-            "worker_start",
-            attempt=attempt,
-            world_size=ctx.world_size,
-            backend=ctx.backend,
-            device=str(ctx.device),
-            threads=threads,
-            restart_count=_restart_count(),
-            config_hash=cfg.digest(),
-        )
-        trainer.log_start()
+        trainer.start(threads=threads, restart_count=_restart_count(), config_hash=cfg.digest())
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
             if _restart_count() == 0:  # once the start is accepted: a refused start says only why

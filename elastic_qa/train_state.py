@@ -95,11 +95,12 @@ class TrainState:
         self.metrics_backlog: list[tuple[int, dict[str, float]]] = []
         self.tracker_backlog: Callable[[], list[tuple[int, dict[str, float]]]] = list
 
-    def complete_step(self, batch: dict[str, Any]) -> None:
-        """The step's update is applied: the counters and the data position move together."""
-        self.cursor.advance_to(batch["epoch"], batch["global_count"])
-        self.step = batch["step"]
-        self.tokens_seen += batch["global_tokens"]
+    def complete_step(self, step: int, epoch: int, global_count: int, global_tokens: int) -> None:
+        """Step `step` (`global_count` samples, `global_tokens` tokens, of `epoch`) is applied: the counters
+        and the data position move together."""
+        self.cursor.advance_to(epoch, global_count)
+        self.step = step
+        self.tokens_seen += global_tokens
 
     # ---- saving -------------------------------------------------------------------------------------
     def state_dict(self, rngs: dict[str, Any], attempt: int) -> dict[str, Any]:

@@ -10,29 +10,24 @@
 
 What every rank must agree on and the phases a worker goes through (running, stopping, emergency, done)
 are in elastic/control.py; what a checkpoint holds in train_state.py; how it is saved in
-elastic/session.py.
+elastic/session.py; the model's build, one step's micro-batches and optimizer step, the step line and
+evaluation with the best tracker in loop/.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
-from elastic_qa.compile import CompileWatch, compile_model, use_compile_cache
-from elastic_qa.config import Config, ConfigError
+from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.data.loader import build_train_loader, collate
-from elastic_qa.dist import CommTimer, DistContext, decide_on_rank0, unwrap, wrap_model
+from elastic_qa.data.loader import StepBatch, build_train_loader
+from elastic_qa.dist import DistContext, unwrap
 from elastic_qa.elastic.control import (
     ControlPlane,
     Decision,
@@ -43,10 +38,11 @@ from elastic_qa.elastic.control import (
 )
 from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.evaluation import evaluate
-from elastic_qa.metrics import em_f1_text
-from elastic_qa.models import family_for, model_inputs
-from elastic_qa.models.invariance import freeze, loss_invariant_parameters
+from elastic_qa.loop.model import build_trained_model
+from elastic_qa.loop.scoring import Scoring
+from elastic_qa.loop.step import accumulate_gradients, autocast_dtype, optimizer_step
+from elastic_qa.loop.step_log import StepLog, StepStats
+from elastic_qa.models import family_for
 from elastic_qa.observe.breakdown import StepTimer
 from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
@@ -57,41 +53,7 @@ from elastic_qa.optim import build_optimizer, build_scheduler
 from elastic_qa.run_length import end_step
 from elastic_qa.train_state import ResumeError, TrainState, seed_step_rng, step_seed
 
-# What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
-TARGETS = ("start_positions", "end_positions", "weights")
-# Windows the start-up probe for loss-invariant parameters reads (a float64 forward and backward).
-PROBE_WINDOWS = 4
-
-
-@dataclass(frozen=True)
-class SharedScores:
-    """Rank 0's evaluation scores, as every rank receives them (dist.decide_on_rank0)."""
-
-    scored: bool  # rank 0 evaluated at this step
-    em: float
-    f1: float
-    loss: float
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `train.precision` on `device` (None: fp32); ConfigError where it cannot run."""
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); on CPU use train.precision=bf16")
-    # autocast would refuse at the first step, in every worker torchrun restarts: say it once, at start-up.
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
-            f"train.precision=bf16: {torch.cuda.get_device_name(device)} cannot compute in bf16; "
-            "use train.precision=fp16 or fp32"
-        )
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 OTHER_RANK_STOP = "asked on another rank"
-
-
-def _tracked(scores: dict[str, float]) -> dict[str, float]:
-    """Evaluation scores under the names trackers give them."""
-    return {"eval_em": scores["em"], "eval_f1": scores["f1"], "eval_loss": scores["loss"]}
 
 
 class Trainer:
@@ -105,25 +67,11 @@ class Trainer:
         self.control_group = None
         if ctx.distributed:
             self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
-        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         self.family = family_for(cfg.model)
-        model = self.family.build_model(cfg, data.vocab_size)
-        if cfg.train.freeze_loss_invariant:
-            self._freeze_loss_invariant(model)
-        model = model.to(self.device)
-        # Listed once: walking the modules for them at every step costs as much as the clipping.
-        self.trained = [param for param in model.parameters() if param.requires_grad]
-        # Re-seeded only when a step draws random numbers (a pretrained model keeps dropout of its own
-        # when model.dropout is null).
-        self.draws_random = (cfg.model.dropout or 0.0) > 0 or any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
-        )
-        self.compile_watch: CompileWatch | None = None
-        if cfg.train.compile:  # in place and before DDP wraps it: elastic_qa/compile.py says why
-            self.compile_watch = CompileWatch(use_compile_cache(cfg))
-            compile_model(model, cfg, self.family.full_width)
-        self.comm_timer = CommTimer()
-        self.model = wrap_model(model, ctx, cfg.dist, self.comm_timer)
+        built = build_trained_model(cfg, ctx, data, self.family, self.control_group)
+        self.model, self.trained, self.draws_random = built.model, built.trained, built.draws_random
+        self.compile_watch, self.comm_timer = built.compile_watch, built.comm_timer
+        model = unwrap(self.model)
         precision = cfg.train.precision
         self.autocast_dtype = autocast_dtype(precision, self.device)
         optimizer = build_optimizer(model, cfg)
@@ -144,46 +92,55 @@ class Trainer:
             cfg.dist.control_period.total_seconds(),
             gloo_all_reduce(self.control_group) if ctx.distributed else None,
         )
-        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group)
+        self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
+        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group, self.timer.add_stall)
         # Shared with the agent watchdog, which asks for a stop through it when the agent dies.
         self.stop_request = stop_request or StopRequest()
-        self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
-        self.session.on_stall = self.timer.add_stall
         self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         tensorboard = "tensorboard" in cfg.log.tracker_names
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
         check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
         self.trackers: Trackers | None = None  # started once the run is registered
+        self.step_log = StepLog(ctx, self.control_group, self.console, self.scalars)
+        self.scoring = Scoring(
+            cfg,
+            ctx,
+            self.control_group,
+            self.family,
+            data,
+            self.state,
+            self.autocast_dtype,
+            self.console,
+            self.scalars,
+        )
 
     # ---- start-up -----------------------------------------------------------------------------------
-    def _freeze_loss_invariant(self, model: torch.nn.Module) -> None:
-        """Freeze the parameters the span loss cannot see (models/invariance.py), the same on every rank.
+    def start(self, **worker_fields: Any) -> int:
+        """Restore, register this attempt and say so, in the one order a start may take: the restore reads
+        only, so a start refused as bad input (exit 2) writes nothing and fences no job running on this run.
+        `worker_fields` go into the `worker_start` line; returns the attempt number."""
+        self._restore()
+        attempt = self._register_attempt()
+        ctx = self.ctx
+        self.log.info(
+            "worker_start",
+            attempt=attempt,
+            world_size=ctx.world_size,
+            backend=ctx.backend,
+            device=str(ctx.device),
+            **worker_fields,
+        )
+        # e.g. a base model's QA head, said once here (a resume loads it from the checkpoint)
+        self.session.log_start(list(getattr(unwrap(self.model), "newly_initialized", ())))
+        return attempt
 
-        Rank 0 probes and the others take its answer: the probe's float64 copy of the model is its largest
-        cost (measured on a random bert-base: ~2.5 GB and seconds), which a node of 8 ranks should not pay
-        8 times over at every restart.
-        """
-        names = [name for name, param in model.named_parameters() if param.requires_grad]
-        flags = torch.zeros(len(names), dtype=torch.uint8)
-        if self.ctx.rank == 0:
-            rows = np.arange(min(PROBE_WINDOWS, len(self.data.train)))
-            probe = collate(self.data.train, rows, full_width=self.family.full_width)
-            found = set(loss_invariant_parameters(model, probe, self.family.span_loss_per_window))
-            flags = torch.tensor([name in found for name in names], dtype=torch.uint8)
-        if self.ctx.distributed:
-            dist.broadcast(flags, src=0, group=self.control_group)
-        frozen = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
-        freeze(model, frozen)
-        if self.ctx.is_main:
-            self.log.info("frozen_parameters", count=len(frozen), names=frozen)
-
-    def restore(self) -> None:
+    def _restore(self) -> None:
         """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
         self.session.restore()
         self.console.total = self.state.end_step
 
-    def register_attempt(self) -> int:
+    def _register_attempt(self) -> int:
         attempt = self.session.register()
         # The run's uuid is in its checkpoint directory's record from here on.
         backlog = self.state.metrics_backlog
@@ -193,30 +150,6 @@ class Trainer:
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)
         return attempt
-
-    def log_start(self) -> None:
-        """Say where training starts: `resume` (with the checkpoint) or `start_fresh`."""
-        loaded, state = self.session.restored, self.state
-        if loaded is None:
-            # e.g. a base model's QA head, said once here (a resume loads it from the checkpoint)
-            new = list(getattr(unwrap(self.model), "newly_initialized", ()))
-            self.log.info(
-                "start_fresh",
-                checkpoint_dir=self.session.store.url,
-                **({"newly_initialized": new} if new else {}),
-            )
-            return
-        self.log.info(
-            "resume",
-            step=state.step,
-            path=self.session.store.display(loaded.path),
-            saved_world_size=loaded.manifest.get("world_size"),
-            world_size=self.ctx.world_size,
-            epoch=state.cursor.epoch,
-            cursor=state.cursor.samples_consumed,
-            # fp16: the loss scale and its growth count as restored (a fresh scaler would start over).
-            **({"grad_scaler": state.scaler.state_dict()} if state.scaler else {}),
-        )
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -241,8 +174,8 @@ class Trainer:
             train_windows=len(self.data.train),
             world_size=self.ctx.world_size,
         )
-        self.session.schedule.saved()
-        self.control.next_control = state.step + 1
+        self.session.start_schedule()
+        self.control.begin(state.step + 1)
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
         batches = iter(loader)
         try:
@@ -250,18 +183,17 @@ class Trainer:
                 self.timer.start_step(state.step + 1)
                 batch = next(batches)
                 self.timer.mark("data")
-                if batch["step"] != state.step + 1:  # a loader bug would silently break exactly-once
-                    raise AssertionError(f"loader produced step {batch['step']}, expected {state.step + 1}")
+                if batch.step != state.step + 1:  # a loader bug would silently break exactly-once
+                    raise AssertionError(f"loader produced step {batch.step}, expected {state.step + 1}")
                 # Rank 0's timer is asked only on control steps: while saves fail, asking moves its back-off.
-                control_step = batch["step"] >= self.control.next_control
                 pending = self.control.start(
-                    batch["step"],
+                    batch.step,
                     self.stop_request.notice(self.log),
-                    control_step and self.session.schedule.time_due(self.session.checkpointer.failing),
+                    self.control.control_step(batch.step) and self.session.time_due(),
                     self.timer.mean_step_s(),
                 )
                 if self.ledger:
-                    self.ledger.record(batch["step"], batch["epoch"], batch["indices"])
+                    self.ledger.record(batch.step, batch.epoch, batch.indices)
                 if self.compile_watch:
                     self.compile_watch.step_started()
                 stats, decision = self._train_step(batch, pending)
@@ -281,181 +213,53 @@ class Trainer:
             if self.trackers:  # a no-op after _finish or _stop closed them
                 self.trackers.close(finished=False)
 
-    def _train_step(self, batch: dict[str, Any], pending: Any) -> tuple[dict[str, Any], Decision]:
+    def _train_step(self, batch: StepBatch, pending: Any) -> tuple[StepStats, Decision]:
         model, device, state = self.model, self.device, self.state
         if self.draws_random:
-            seed_step_rng(step_seed(self.cfg.run.seed, batch["step"], self.ctx.rank), device)
-        micro = self.cfg.train.micro_batch_size
-        starts = list(range(0, batch["input_ids"].shape[0], micro))
-        # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
-        # the result the mean over the global batch, however unevenly the ranks' shares are split.
-        scale = self.ctx.world_size / batch["global_count"]
-        loss_sum = torch.zeros((), device=device)
-        for i, lo in enumerate(starts):
-            rows = slice(lo, lo + micro)
-            sync = i == len(starts) - 1 or not self.ctx.distributed
-            # Not syncing means distributed: then wrap_model made the model a DistributedDataParallel.
-            with cast(DistributedDataParallel, model).no_sync() if not sync else nullcontext():
-                with torch.autocast(
-                    device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-                ):
-                    start_logits, end_logits = model(**model_inputs(batch, device, rows))
-                loss = self.family.span_loss(
-                    start_logits,
-                    end_logits,
-                    *(batch[k][rows].to(device, non_blocking=True) for k in TARGETS),
-                )
-                loss_sum += loss.detach()
-                (state.scaler.scale(loss * scale) if state.scaler else loss * scale).backward()
-        self.timer.mark("forward_backward")
-        decision = self.control.finish(batch["step"], pending)  # the last collective of the step
-        if state.scaler:
-            state.scaler.unscale_(state.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trained, self.cfg.train.grad_clip or float("inf"), foreach=True
+            seed_step_rng(step_seed(self.cfg.run.seed, batch.step, self.ctx.rank), device)
+        loss_sum = accumulate_gradients(
+            model,
+            self.family,
+            batch,
+            self.ctx,
+            self.cfg.train.micro_batch_size,
+            self.autocast_dtype,
+            state.scaler,
         )
-        if state.scaler:
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-        else:
-            state.optimizer.step()
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
-        state.complete_step(batch)  # with no collective in between: every piece of state moves together
+        self.timer.mark("forward_backward")
+        decision = self.control.finish(batch.step, pending)  # the last collective of the step
+        grad_norm = optimizer_step(state, self.trained, self.cfg.train.grad_clip)
+        # With no collective in between: every piece of state moves together.
+        state.complete_step(batch.step, batch.epoch, batch.global_count, batch.global_tokens)
         self.timer.mark("optimizer")
-        return {"loss_sum": loss_sum, "count": len(batch["indices"]), "grad_norm": grad_norm}, decision
+        return StepStats(loss_sum, len(batch.indices), grad_norm), decision
 
-    def _after_step(self, batch: dict[str, Any], stats: dict[str, Any], decision: Decision) -> None:
+    def _after_step(self, batch: StepBatch, stats: StepStats, decision: Decision) -> None:
         cfg, step, end = self.cfg, self.state.step, self.state.end_step
         if self.compile_watch and (news := self.compile_watch.news()):
             self.log.info("compile", step=step, **news)
         if step % cfg.log.every_steps == 0 or step == end:
-            self._log_step(batch, stats)
+            rate = self.timer.samples_per_s(batch.global_count)
+            self.step_log.step(self.state, batch.epoch, stats, rate, self.trackers)
         self.timer.mark("log_and_save")
         new_best = False
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
-            new_best = self.run_eval() is not None and self.state.best.step == step
+            new_best = self._evaluate() is not None and self.state.best.step == step
             self.timer.mark(None)  # evaluation is none of the step's phases
-        due = decision.save or self.session.schedule.step_due(step) or debug.save_due(cfg, step)
-        # An early stop commits this step as the final checkpoint instead (_finish).
-        if (due or new_best) and not decision.stop and step < end and not self.state.best.exhausted:
-            self.session.save(reason="best" if new_best else "periodic")
+        # A stop commits this step as its own checkpoint instead (_stop).
+        reason = self.session.save_due(step, decision.save, new_best)
+        if reason and not decision.stop:
+            self.session.save(reason)
         self.timer.mark("log_and_save")
         self.timer.finish_step(
             self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
         )
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
-    def _log_step(self, batch: dict[str, Any], stats: dict[str, Any]) -> None:
-        state = self.state
-        local = torch.stack([stats["loss_sum"].float().cpu(), torch.tensor(float(stats["count"]))])
-        totals = local.clone()
-        if self.ctx.distributed:
-            dist.all_reduce(totals, group=self.control_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        local_loss = (local[0] / local[1].clamp(min=1)).item()
-        rate = self.timer.samples_per_s(batch["global_count"])
-        lr = float(state.scheduler.get_last_lr()[0])  # a float already; torch types it float | Tensor
-        grad_norm = float(stats["grad_norm"])
-        self.log.info(
-            "step",
-            step=state.step,
-            epoch=batch["epoch"],
-            loss=round(loss, 6),
-            rank_loss=round(local_loss, 6),
-            lr=lr,
-            grad_norm=round(grad_norm, 6),
-            samples_per_s=round(rate, 2),
-            world_size=self.ctx.world_size,
-            cursor=state.cursor.samples_consumed,
-        )
-        self.console.progress(state.step, loss, rate)
-        if self.scalars:
-            self.scalars.add(state.step, loss=local_loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate)
-        if self.trackers:
-            world = float(self.ctx.world_size)
-            self.trackers.log(
-                state.step, loss=loss, grad_norm=grad_norm, lr=lr, samples_per_s=rate, world_size=world
-            )
+    def _evaluate(self) -> dict[str, float] | None:
+        return self.scoring.run(unwrap(self.model), self.trackers)
 
-    # ---- evaluation and the end ---------------------------------------------------------------------
-    def run_eval(self) -> dict[str, float] | None:
-        """Evaluate the current state; its scores (on every rank) are observed by the best tracker."""
-        if self.data.eval is None:
-            return None
-        started = time.perf_counter()
-        scores = evaluate(
-            unwrap(self.model),
-            self.family,
-            self.data.eval,
-            self.data.eval_examples,
-            self.cfg.train.eval_batch_size,
-            self.cfg.data.max_answer_len,
-            self.device,
-            self.autocast_dtype,
-            n_best=self.cfg.eval.n_best,
-            null_threshold=self.cfg.eval.null_threshold,
-            cjk=self.cfg.eval.cjk_tokens,
-        )
-        if scores is not None:
-            step = self.state.step
-            self.log.info(
-                "eval",
-                step=step,
-                em=round(scores["em"], 4),
-                f1=round(scores["f1"], 4),
-                loss=round(scores["loss"], 6),
-                questions=scores["count"],
-                seconds=round(time.perf_counter() - started, 3),
-            )
-            self.console.line(f"eval step {step}: {em_f1_text(scores['em'], scores['f1'])}")
-            if self.scalars:
-                self.scalars.add(step, **_tracked(scores))
-        shared = self._shared_scores(scores)
-        if shared is not None:
-            self._observe(shared)
-            if self.trackers:
-                self.trackers.log(self.state.step, **_tracked(shared))
-        return shared if scores is None else scores
-
-    def _shared_scores(self, scores: dict[str, float] | None) -> dict[str, float] | None:
-        """Rank 0's scores on every rank (evaluate scores on rank 0 only): every rank's best tracker must
-        agree, as any rank may write an emergency checkpoint and all must stop early together."""
-        if not self.ctx.distributed:
-            return scores
-
-        def share() -> SharedScores:
-            if scores is None:
-                return SharedScores(False, 0.0, 0.0, 0.0)
-            return SharedScores(True, scores["em"], scores["f1"], scores["loss"])
-
-        shared = decide_on_rank0(self.ctx, self.control_group, share, SharedScores)
-        return {"em": shared.em, "f1": shared.f1, "loss": shared.loss} if shared.scored else None
-
-    def _observe(self, scores: dict[str, float]) -> None:
-        best, step = self.state.best, self.state.step
-        if best.observe(step, scores) and self.ctx.is_main:
-            self.log.info("eval_best", step=step, metric=best.metric, value=round(scores[best.metric], 4))
-        if best.exhausted and self.ctx.is_main and step < self.state.end_step:  # else: the end anyway
-            self._log_early_stop()
-
-    def _log_early_stop(self) -> None:
-        best = self.state.best
-        self.log.info(
-            "early_stop",
-            step=self.state.step,
-            metric=best.metric,
-            best=best.value,
-            best_step=best.step,
-            evaluations_without_improvement=best.stale_evals,
-            patience=best.patience,
-            min_delta=best.min_delta,
-        )
-        self.console.line(
-            f"early stop at step {self.state.step}: {best.stale_evals} evaluations in a row without "
-            f"{best.metric} above {best.value:.4f} + {best.min_delta} (the best, at step {best.step})"
-        )
-
+    # ---- the end ------------------------------------------------------------------------------------
     def _stop(self) -> dict[str, Any]:
         self.control.enter(Phase.STOPPING)
         # The control all-reduce carries that some rank was asked to stop, not by what: a rank that was not
@@ -474,9 +278,9 @@ class Trainer:
         step = self.state.step
         early = self.state.best.exhausted and step < self.state.end_step
         if early and self.ctx.is_main and self.session.resumed_step == step:
-            self._log_early_stop()  # resumed from an early stop: its final checkpoint stands
+            self.scoring.log_early_stop()  # resumed from an early stop: its final checkpoint stands
         # Evaluated at this step already (an early stop): the same state scores the same.
-        scores = self.state.best.scores_at(step) or self.run_eval()
+        scores = self.state.best.scores_at(step) or self._evaluate()
         self.session.save_final()
         if self.scalars:
             self.scalars.close()

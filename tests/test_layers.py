@@ -6,7 +6,7 @@
    side, opens; data never imports prep)
 2  train_state, optim, evaluation, export, output_paths, report (what a run did, drawn: it reads observe's
    logs)
-3  elastic (control plane, session, signals, watchdog)
+3  elastic (control plane, session, signals, watchdog), loop (the trainer's parts: model, step, scoring)
 4  trainer
 5  entry points: train, cli, ckpt, bench, chaos, launcher, api, serve (who may use whom: ENTRY_USES; none of
    them is imported by anything below, but for the package root's lazy re-export of the Python API:
@@ -30,7 +30,7 @@ LAYERS = {
     "compile": 1,
     "prep": 1,
     "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2, "report": 2,
-    "elastic": 3,
+    "elastic": 3, "loop": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,
     "serve": 5,

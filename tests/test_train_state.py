@@ -36,9 +36,7 @@ def trained_state(steps: int, *overrides: str, state: TrainState | None = None) 
         state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad()
-        state.complete_step(
-            {"step": step, "epoch": state.cursor.epoch, "global_count": 16, "global_tokens": 160}
-        )
+        state.complete_step(step, state.cursor.epoch, global_count=16, global_tokens=160)
     return state
 
 

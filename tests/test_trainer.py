@@ -14,9 +14,9 @@ import torch
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.config import ConfigError, load_config, packaged_config
+from elastic_qa.loop.step import autocast_dtype
 from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
-from elastic_qa.trainer import autocast_dtype
 from tests.conftest import tiny_overrides
 
 STEPS = 40

@@ -62,10 +62,10 @@ def probe_in_this_process(config_overrides: list[str], threads: int) -> dict[str
 
     from elastic_qa.config import resolve_config
     from elastic_qa.data.loader import collate
+    from elastic_qa.loop.freeze import PROBE_WINDOWS
     from elastic_qa.models import family_for
     from elastic_qa.models.invariance import loss_invariant_parameters
     from elastic_qa.prep import prepare
-    from elastic_qa.trainer import PROBE_WINDOWS
 
     torch.set_num_threads(threads)
     cfg = resolve_config(CONFIG, config_overrides)

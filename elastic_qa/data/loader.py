@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,8 +73,32 @@ class RankBatchSampler:
             )
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's share of one optimizer step: its tensors and where in the run it is.
+
+    Built in loader workers and sent to the training process, so it pickles; `pin_memory` is what the
+    loader's pinning thread calls on an object of its own type.
+    """
+
+    tensors: dict[str, torch.Tensor]  # the model's inputs, the targets (collate) and "weights" (0: padding)
+    step: int
+    epoch: int
+    global_count: int  # samples in the whole global batch (the loss normaliser)
+    global_tokens: int  # non-pad tokens in the whole global batch
+    indices: list[int]  # this rank's samples ([] for an empty share)
+
+    @property
+    def rows(self) -> int:
+        """Windows in this share (1 for an empty share: one padding window of weight 0)."""
+        return self.tensors["input_ids"].shape[0]
+
+    def pin_memory(self) -> StepBatch:
+        return replace(self, tensors={name: t.pin_memory() for name, t in self.tensors.items()})
+
+
 class FeatureBatches(torch.utils.data.Dataset):
-    """Key -> batch dict; pads are trimmed to the longest sequence in the batch unless `full_width`."""
+    """Key -> StepBatch; pads are trimmed to the longest sequence in the batch unless `full_width`."""
 
     def __init__(self, features: Features, full_width: bool = False) -> None:
         self.features = features
@@ -83,42 +107,35 @@ class FeatureBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.features)
 
-    def __getitem__(self, key: RankBatchKey) -> dict[str, Any]:
-        return collate(self.features, np.asarray(key.indices), key, full_width=self.full_width)
+    def __getitem__(self, key: RankBatchKey) -> StepBatch:
+        return step_batch(self.features, key, full_width=self.full_width)
 
 
-def collate(
-    features: Features, rows: np.ndarray, key: RankBatchKey | None = None, full_width: bool = False
-) -> dict[str, Any]:
+def collate(features: Features, rows: np.ndarray, full_width: bool = False) -> dict[str, torch.Tensor]:
     """Windows `rows` as a batch under the transformers names (the model's inputs, see models.MODEL_INPUTS):
     `attention_mask` is 1 for real tokens and 0 for padding, `token_type_ids` the cached `segment_ids`.
     The batch is trimmed to its longest window, or keeps every cached position with `full_width` (a family
     whose loss reads padding: see models.ModelFamily.full_width).
-    With a key, also the trainer's bookkeeping: step, epoch, global_count, global_tokens, indices, weights.
     """
     ids = features.input_ids[rows]
     lengths = np.asarray(features.lengths[rows])
     width = ids.shape[1] if full_width else int(lengths.max())
     real = np.arange(width)[None, :] < lengths[:, None]  # padding follows the real tokens
-    batch: dict[str, Any] = {
+    return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :width])).long(),
         "attention_mask": torch.from_numpy(real).long(),
         "token_type_ids": torch.from_numpy(np.ascontiguousarray(features.segment_ids[rows, :width])).long(),
         "start_positions": torch.from_numpy(features.start_positions[rows].astype(np.int64)),
         "end_positions": torch.from_numpy(features.end_positions[rows].astype(np.int64)),
-        "tokens": int(lengths.sum()),
     }
-    if key is not None:
-        weight = 0.0 if key.empty else 1.0
-        batch.update(
-            step=key.step,
-            epoch=key.epoch,
-            global_count=key.global_count,
-            global_tokens=key.global_tokens,
-            indices=[] if key.empty else list(key.indices),
-            weights=torch.full((len(rows),), weight),
-        )
-    return batch
+
+
+def step_batch(features: Features, key: RankBatchKey, full_width: bool = False) -> StepBatch:
+    """The batch of a sampler key: its windows (collate), their loss weights and the step's bookkeeping."""
+    tensors = collate(features, np.asarray(key.indices), full_width)
+    tensors["weights"] = torch.full((len(key.indices),), 0.0 if key.empty else 1.0)
+    indices = [] if key.empty else list(key.indices)
+    return StepBatch(tensors, key.step, key.epoch, key.global_count, key.global_tokens, indices)
 
 
 def _identity(batch: Any) -> Any:

@@ -114,6 +114,14 @@ class ControlPlane:
         self.phase = Phase.RUNNING
         self.next_control = 1
 
+    def begin(self, step: int) -> None:
+        """The loop starts at `step`: the first agreement runs there (a resume starts past step 1)."""
+        self.next_control = step
+
+    def control_step(self, step: int) -> bool:
+        """At `step` the ranks agree (start/finish exchange flags); between control steps they do not."""
+        return step >= self.next_control
+
     def enter(self, phase: Phase) -> None:
         if phase not in _ALLOWED[self.phase]:
             raise RuntimeError(f"control plane: {self.phase.value} -> {phase.value} is not a transition")
@@ -128,7 +136,7 @@ class ControlPlane:
         Rank 0 proposes how many steps make dist.control_period from its own step time; the all-reduce
         (a sum: the other ranks add zero) hands every rank the same number, so all agree on the next one.
         """
-        if step < self.next_control:
+        if not self.control_step(step):
             return None
         every = 1
         if self.is_main and step_s:

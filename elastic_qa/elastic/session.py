@@ -7,6 +7,8 @@ Order at start-up, so that a start refused as bad input writes nothing:
                 what older attempts left (their staging, the checkpoints rejected at restore) and restores
                 again if a checkpoint newer than the restored one was committed meanwhile by a group that
                 was still running
+Whether to save, asked by the trainer after each step: time_due (rank 0's timer, shared by the control
+plane), save_due (the reason, "best" or "periodic", or None).
 Saves: periodic (async, storage errors tolerated for checkpoint.give_up_after), stop and emergency (retried
 for checkpoint.emergency_retry_for), final (retried for checkpoint.final_retry_for; the job is done only
 once it is committed and verified).
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_qa import debug
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
@@ -84,7 +87,19 @@ class FinalOutcome:
 
 
 class CheckpointSession:
-    def __init__(self, cfg: Config, ctx: DistContext, state: TrainState, control_group: Any) -> None:
+    """What the trainer asks of its checkpoints: restore, register, whether a save is due, and the saves.
+
+    `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        state: TrainState,
+        control_group: Any,
+        on_stall: Callable[[float], None] | None = None,
+    ) -> None:
         self.cfg, self.ctx, self.state = cfg, ctx, state
         self.control_group = control_group
         self.log = get_logger()
@@ -107,7 +122,7 @@ class CheckpointSession:
         self.run_uuid = ""  # the run this start belongs to (checkpoint/run_record.py), agreed at restore
         self._new_record: RunRecord | None = None  # rank 0: written at registration (a store without one)
         self.source: CheckpointLocation | None = None  # restored from checkpoint.resume_from, not our store
-        self.on_stall: Callable[[float], None] = lambda seconds: None
+        self.on_stall: Callable[[float], None] = on_stall or (lambda seconds: None)
 
     # ---- start-up -----------------------------------------------------------------------------------
     def restore(self) -> LoadedCheckpoint | None:
@@ -306,6 +321,44 @@ class CheckpointSession:
         """The step of the checkpoint restored from our own store (one from checkpoint.resume_from is not
         ours: this run saves that step again rather than count on it)."""
         return self.restored.step if self.restored and self.source is None else None
+
+    def log_start(self, newly_initialized: list[str]) -> None:
+        """Say where training starts: `resume` (with the checkpoint) or `start_fresh` (naming the
+        parameters the model built new, e.g. a base model's QA head: a resume loads them)."""
+        loaded, state = self.restored, self.state
+        if loaded is None:
+            new = {"newly_initialized": newly_initialized} if newly_initialized else {}
+            self.log.info("start_fresh", checkpoint_dir=self.store.url, **new)
+            return
+        self.log.info(
+            "resume",
+            step=state.step,
+            path=self.store.display(loaded.path),
+            saved_world_size=loaded.manifest.get("world_size"),
+            world_size=self.ctx.world_size,
+            epoch=state.cursor.epoch,
+            cursor=state.cursor.samples_consumed,
+            # fp16: the loss scale and its growth count as restored (a fresh scaler would start over).
+            **({"grad_scaler": state.scaler.state_dict()} if state.scaler else {}),
+        )
+
+    # ---- when to save -------------------------------------------------------------------------------
+    def start_schedule(self) -> None:
+        """Training starts: the save timer counts from now (restore and start-up are not unsaved work)."""
+        self.schedule.saved()
+
+    def time_due(self) -> bool:
+        """Rank 0's timer says save now (backing off while saves fail); the control plane shares it."""
+        return self.schedule.time_due(self.checkpointer.failing)
+
+    def save_due(self, step: int, asked: bool, new_best: bool) -> str | None:
+        """Why the step just completed is checkpointed now ("best", "periodic"), or None: `asked` is the
+        ranks' agreed timed save, `new_best` an evaluation's new best at this step. The end step and an
+        early stop are not: the final save commits them (save_final)."""
+        due = asked or self.schedule.step_due(step) or debug.save_due(self.cfg, step)
+        if not (due or new_best) or step >= self.state.end_step or self.state.best.exhausted:
+            return None
+        return "best" if new_best else "periodic"
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, reason: str) -> None:

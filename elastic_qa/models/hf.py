@@ -237,7 +237,7 @@ class PretrainedSpanQA(nn.Module):
         super().__init__()
         self.model = model
         # Weights the pretrained directory lacked (a base model's QA head), initialised from torch's RNG:
-        # a fresh start says so once (Trainer.log_start), where a resume loads them from its checkpoint.
+        # a fresh start says so once (Trainer.start), where a resume loads them from its checkpoint.
         self.newly_initialized = newly_initialized
         config = model.config
         # RoBERTa and DistilBERT have no token types (one type, or no such argument): they get none.

@@ -1,0 +1,50 @@
+"""The model a run trains: built alike on every rank, frozen where the loss cannot see, compiled, wrapped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic_qa.compile import CompileWatch, compile_model, use_compile_cache
+from elastic_qa.config import Config
+from elastic_qa.data.cache import PreparedData
+from elastic_qa.dist import CommTimer, DistContext, wrap_model
+from elastic_qa.loop.freeze import freeze_loss_invariant
+from elastic_qa.models import ModelFamily
+
+
+@dataclass
+class TrainedModel:
+    model: torch.nn.Module  # wrapped for this run (DDP when distributed): dist.unwrap gives the model
+    trained: list[torch.nn.Parameter]  # those that require grad, listed once (the clipping's list)
+    draws_random: bool  # a step draws random numbers (dropout): it re-seeds them per step and rank
+    compile_watch: CompileWatch | None  # train.compile: what the compiler did, told at each step
+    comm_timer: CommTimer  # the gradient all-reduce's time (DDP's comm hook)
+
+
+def build_trained_model(
+    cfg: Config, ctx: DistContext, data: PreparedData, family: ModelFamily, group: Any
+) -> TrainedModel:
+    """Identical initial weights on every rank (seeded by run.seed); the freeze probe's answer is rank 0's,
+    broadcast on `group`."""
+    torch.manual_seed(cfg.run.seed)
+    model = family.build_model(cfg, data.vocab_size)
+    if cfg.train.freeze_loss_invariant:
+        freeze_loss_invariant(model, family, data.train, ctx, group)
+    model = model.to(ctx.device)
+    # Listed once: walking the modules for them at every step costs as much as the clipping.
+    trained = [param for param in model.parameters() if param.requires_grad]
+    # Re-seeded only when a step draws random numbers (a pretrained model keeps dropout of its own
+    # when model.dropout is null).
+    draws_random = (cfg.model.dropout or 0.0) > 0 or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
+    )
+    compile_watch = None
+    if cfg.train.compile:  # in place and before DDP wraps it: elastic_qa/compile.py says why
+        compile_watch = CompileWatch(use_compile_cache(cfg))
+        compile_model(model, cfg, family.full_width)
+    comm_timer = CommTimer()
+    wrapped = wrap_model(model, ctx, cfg.dist, comm_timer)
+    return TrainedModel(wrapped, trained, draws_random, compile_watch, comm_timer)

@@ -1,0 +1,83 @@
+"""One optimizer step's forward and backward: this rank's share in micro-batches, under autocast."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import cast
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_qa.config import ConfigError
+from elastic_qa.data.loader import StepBatch
+from elastic_qa.dist import DistContext
+from elastic_qa.models import ModelFamily, model_inputs
+from elastic_qa.train_state import TrainState
+
+# What the loss compares the logits with, per window (weights: 0 for the padding rows of an empty share).
+TARGETS = ("start_positions", "end_positions", "weights")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `train.precision` on `device` (None: fp32); ConfigError where it cannot run."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); on CPU use train.precision=bf16")
+    # autocast would refuse at the first step, in every worker torchrun restarts: say it once, at start-up.
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision=bf16: {torch.cuda.get_device_name(device)} cannot compute in bf16; "
+            "use train.precision=fp16 or fp32"
+        )
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    batch: StepBatch,
+    ctx: DistContext,
+    micro_batch_size: int,
+    dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None,
+) -> torch.Tensor:
+    """Forward and backward over `batch` in micro-batches, gradients synced (DDP) on the last one only;
+    the sum of the windows' losses (detached, on this rank's device)."""
+    device, world_size, distributed = ctx.device, ctx.world_size, ctx.distributed
+    starts = list(range(0, batch.rows, micro_batch_size))
+    # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
+    # the result the mean over the global batch, however unevenly the ranks' shares are split.
+    scale = world_size / batch.global_count
+    loss_sum = torch.zeros((), device=device)
+    for i, lo in enumerate(starts):
+        rows = slice(lo, lo + micro_batch_size)
+        sync = i == len(starts) - 1 or not distributed
+        # Not syncing means distributed: then wrap_model made the model a DistributedDataParallel.
+        with cast(DistributedDataParallel, model).no_sync() if not sync else nullcontext():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                start_logits, end_logits = model(**model_inputs(batch.tensors, device, rows))
+            loss = family.span_loss(
+                start_logits,
+                end_logits,
+                *(batch.tensors[k][rows].to(device, non_blocking=True) for k in TARGETS),
+            )
+            loss_sum += loss.detach()
+            (scaler.scale(loss * scale) if scaler else loss * scale).backward()
+    return loss_sum
+
+
+def optimizer_step(
+    state: TrainState, trained: list[torch.nn.Parameter], grad_clip: float | None
+) -> torch.Tensor:
+    """Clip the gradients of `trained` (after unscaling them under fp16), step the optimizer and the
+    schedule, clear the gradients; the gradient norm before clipping."""
+    if state.scaler:
+        state.scaler.unscale_(state.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip or float("inf"), foreach=True)
+    if state.scaler:
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+    else:
+        state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
