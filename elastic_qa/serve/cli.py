@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=timedelta(seconds=10),
         help="a client silent this long, mid-request or between requests, is disconnected (default 10s)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=_count,
+        default=128,
+        help="open connections, one thread each; beyond: 503 and closed (default 128)",
+    )
     p.add_argument("--max-body-bytes", type=_count, default=limits.max_body_bytes, help="413 beyond (1 MiB)")
     p.add_argument(
         "--max-questions", type=_count, default=limits.max_questions, help="questions in one request (64)"
@@ -168,7 +174,7 @@ def build_server(args: argparse.Namespace) -> QAServer:
     limits = Limits(args.max_body_bytes, args.max_questions, args.max_question_chars, args.max_context_chars)
     model = {"source": loaded.source, "step": loaded.step, "kind": loaded.cfg.model.kind,
              "null_threshold": threshold}  # fmt: skip
-    settings = ServeSettings(limits, args.request_timeout, args.socket_timeout, model)
+    settings = ServeSettings(limits, args.request_timeout, args.socket_timeout, model, args.max_connections)
     try:
         return QAServer((args.host, args.port), batcher, settings)
     except OSError as err:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +29,7 @@ from elastic_qa.serve.batcher import Batcher, Busy, Stopped, TimedOut
 from elastic_qa.serve.page import PAGE, PAGE_POLICY
 from elastic_qa.serve.schema import BadRequest, Limits, parse_questions
 
+REFUSAL_S = 1.0  # the most time a refused connection is given to take its 503 and close
 DRAINED_BYTES = 16 << 20  # an oversized body up to this size is read (and dropped) before the 413
 ROUTES = {"/": "GET", "/healthz": "GET", "/v1/answer": "POST"}
 
@@ -39,6 +42,7 @@ class ServeSettings:
     request_timeout: timedelta  # a request waiting longer for its answers gets 504
     socket_timeout: timedelta  # a client silent this long (mid-request or idle keep-alive) is dropped
     model: dict[str, Any]  # what /healthz says of the model: source, step, kind, null_threshold
+    max_connections: int = 128  # open connections (one thread each); beyond: 503 and closed at once
 
 
 class QAServer(ThreadingHTTPServer):
@@ -52,6 +56,9 @@ class QAServer(ThreadingHTTPServer):
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # guards _open: the connections and whether each is mid-request
         self._open: dict[Handler, bool] = {}
+        self._slots = threading.BoundedSemaphore(settings.max_connections)
+        self._refused: queue.Queue[socket.socket] = queue.Queue(maxsize=64)
+        threading.Thread(target=self._refuse, name="refuser", daemon=True).start()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
@@ -60,6 +67,48 @@ class QAServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         host = host.decode() if isinstance(host, bytes) else host
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection while fewer than max_connections are open; else 503 and close:
+        clients that open connections and hold them (idle or trickling bytes) cannot grow threads without
+        bound."""
+        if not self._slots.acquire(blocking=False):
+            try:
+                self._refused.put_nowait(request)  # answered by the refuser thread, off the accept loop
+            except queue.Full:
+                self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # no thread started: the slot is not taken
+            raise
+
+    def _refuse(self) -> None:
+        """503 to each connection beyond the bound: the reply, our end closed for writing, then what the
+        client sent read (briefly) before closing, so that unread bytes do not turn the close into a reset
+        that would lose the reply."""
+        while True:
+            request = self._refused.get()
+            body = json.dumps({"error": f"busy: {self.settings.max_connections} connections are open"})
+            reply = (
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            )
+            with contextlib.suppress(OSError):
+                request.settimeout(REFUSAL_S)
+                request.sendall(reply.encode())
+                request.shutdown(socket.SHUT_WR)
+                until = time.monotonic() + REFUSAL_S
+                while time.monotonic() < until and request.recv(1 << 16):
+                    pass
+            request.close()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def _track(self, handler: Handler, busy: bool | None) -> bool:
         """Record a connection as busy/idle (None: gone); False when an idle one should close now."""

@@ -40,10 +40,15 @@ class Model:
 
 @contextmanager
 def serving(
-    model: Model, request_timeout: timedelta = LONG, socket_timeout: timedelta = LONG, queue_size: int = 8
+    model: Model,
+    request_timeout: timedelta = LONG,
+    socket_timeout: timedelta = LONG,
+    queue_size: int = 8,
+    max_connections: int = 16,
 ) -> Iterator[QAServer]:
     batcher = Batcher(model, max_batch=1, max_wait=timedelta(0), queue_size=queue_size)
-    settings = ServeSettings(LIMITS, request_timeout, socket_timeout, {"source": "stand-in", "step": 0})
+    model_facts = {"source": "stand-in", "step": 0}
+    settings = ServeSettings(LIMITS, request_timeout, socket_timeout, model_facts, max_connections)
     server = QAServer(("127.0.0.1", 0), batcher, settings)
     thread = threading.Thread(target=server.serve_forever)
     thread.start()
@@ -181,6 +186,23 @@ def test_a_slow_client_holds_only_its_own_connection_and_is_dropped_after_the_so
         )
         assert slow.recv(65536) == b""  # the server closed it: the body never came
         slow.close()
+
+
+def test_connections_beyond_the_bound_get_503_and_a_freed_slot_serves_again() -> None:
+    with serving(Model(), max_connections=2) as server:
+        port = server.server_address[1]
+        holders = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(2)]
+        for holder in holders:  # a request line each: both connections surely have their thread now
+            holder.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        reply = raw(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 503") and b"2 connections are open" in reply, reply
+        holders[0].close()
+        # the slot comes back once that connection's thread has ended: wait on the event, not a clock
+        while not (
+            reply := raw(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        ).startswith(b"HTTP/1.1 200"):
+            assert reply.startswith(b"HTTP/1.1 503"), reply
+        holders[1].close()
 
 
 def test_stop_answers_the_request_in_flight_closes_idle_connections_and_refuses_new_ones() -> None:
