@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_qa import __version__
+from elastic_qa.argtypes import whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.data.examples import DataError, QAExample
@@ -193,16 +194,6 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path}: {err}") from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-qa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(p)
     p.add_argument(
         "--workers",
-        type=_positive,
+        type=whole_number,
         help="tokenising processes (default data.prepare_workers: one per CPU core); same cache whatever N",
     )
     p = sub.add_parser("config", help="print the resolved config")

@@ -1,6 +1,6 @@
 """The package's layers flow one way: no module imports a layer above it, and none imports an entry point.
 
-0  the package root, config, exits, network, liveness, run_length
+0  the package root, config, exits, network, liveness, run_length, argtypes
 1  dist, data, models, observe, checkpoint (stores, commit protocol, fencing), metrics, debug, holds,
    compile; prep (offline preparation: it builds the feature cache that data, the training-time input
    side, opens; data never imports prep)
@@ -25,7 +25,7 @@ from tests.conftest import REPO
 
 LAYERS = {
     "elastic_qa": 0, "config": 0, "config_changes": 0, "recipe": 0, "exits": 0, "network": 0, "liveness": 0,
-    "run_length": 0,
+    "run_length": 0, "argtypes": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "compile": 1,
     "prep": 1,

@@ -11,11 +11,10 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from elastic_qa.config import parse_duration
+from elastic_qa.argtypes import positive_duration, whole_number
 from elastic_qa.exits import UsageError
 
 
@@ -56,24 +55,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides section.key=value (all variants)")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
-
-
-def duration(text: str) -> timedelta:
-    try:
-        value = parse_duration(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 10s or 5m") from None
-    if value.total_seconds() <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+# The benchmarks' argument types, as every command's.
+positive_int = whole_number
+duration = positive_duration
 
 
 def int_list(text: str) -> list[int]:

@@ -15,8 +15,9 @@ import threading
 from datetime import timedelta
 from types import FrameType
 
+from elastic_qa.argtypes import positive_duration, whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
-from elastic_qa.config import ConfigError, parse_duration
+from elastic_qa.config import ConfigError
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_OK, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.serve.batcher import Batcher
@@ -24,26 +25,6 @@ from elastic_qa.serve.http import QAServer, ServeSettings
 from elastic_qa.serve.schema import Limits
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return value
-
-
-def _duration(text: str) -> timedelta:
-    try:
-        value = parse_duration(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if value <= timedelta(0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration above 0, e.g. 30s")
-    return value
 
 
 def _milliseconds(text: str) -> timedelta:
@@ -69,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         "no TLS: to serve other machines, bind here and put a proxy in front (docs/serve.md)",
     )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
-    p.add_argument("--max-batch", type=_count, default=32, help="questions answered in one model call (32)")
+    p.add_argument(
+        "--max-batch", type=whole_number, default=32, help="questions answered in one model call (32)"
+    )
     p.add_argument(
         "--max-wait-ms",
         type=_milliseconds,
@@ -83,34 +66,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
-        type=_duration,
+        type=positive_duration,
         default=timedelta(seconds=30),
         help="a request not answered within this gets 504 (default 30s)",
     )
     p.add_argument(
-        "--queue-size", type=_count, default=256, help="requests waiting for the model; beyond: 503 (256)"
+        "--queue-size",
+        type=whole_number,
+        default=256,
+        help="requests waiting for the model; beyond: 503 (256)",
     )
     p.add_argument(
         "--socket-timeout",
-        type=_duration,
+        type=positive_duration,
         default=timedelta(seconds=10),
         help="a client silent this long, mid-request or between requests, is disconnected (default 10s)",
     )
     p.add_argument(
         "--max-connections",
-        type=_count,
+        type=whole_number,
         default=128,
         help="open connections, one thread each; beyond: 503 and closed (default 128)",
     )
-    p.add_argument("--max-body-bytes", type=_count, default=limits.max_body_bytes, help="413 beyond (1 MiB)")
     p.add_argument(
-        "--max-questions", type=_count, default=limits.max_questions, help="questions in one request (64)"
+        "--max-body-bytes", type=whole_number, default=limits.max_body_bytes, help="413 beyond (1 MiB)"
     )
     p.add_argument(
-        "--max-context-chars", type=_count, default=limits.max_context_chars, help="context length (20000)"
+        "--max-questions",
+        type=whole_number,
+        default=limits.max_questions,
+        help="questions in one request (64)",
     )
     p.add_argument(
-        "--max-question-chars", type=_count, default=limits.max_question_chars, help="question length (1000)"
+        "--max-context-chars",
+        type=whole_number,
+        default=limits.max_context_chars,
+        help="context length (20000)",
+    )
+    p.add_argument(
+        "--max-question-chars",
+        type=whole_number,
+        default=limits.max_question_chars,
+        help="question length (1000)",
     )
     return p
 
