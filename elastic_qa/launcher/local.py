@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,26 @@ def log_action(run_dir: Path | None, event: str, **fields: Any) -> None:
         (run_dir / "agents").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "agents" / "launch.jsonl", "a") as handle:
             handle.write(line + "\n")
+
+
+def wait_for_agents(run_dir: Path, started: list[subprocess.Popen]) -> dict[int, int]:
+    """Each agent's exit code, by index; `agent_exit` recorded as each one ends (not in index order: a
+    dashboard sees an agent that a fault or a signal ended when it ends, not once all have)."""
+    codes: dict[int, int] = {}
+
+    def watch(index: int, process: subprocess.Popen) -> None:
+        codes[index] = process.wait()
+        log_action(run_dir, "agent_exit", agent=index, pid=process.pid, code=codes[index])
+
+    watchers = [
+        threading.Thread(target=watch, args=(index, process), name=f"agent-{index}", daemon=True)
+        for index, process in enumerate(started)
+    ]
+    for watcher in watchers:
+        watcher.start()
+    for watcher in watchers:
+        watcher.join()
+    return dict(sorted(codes.items()))
 
 
 def free_port() -> int:
@@ -298,7 +319,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     monitor = JobMonitor(run_dir, started_at, view, crash_loop)
     monitor.start()
-    codes = {index: process.wait() for index, process in enumerate(started)}
+    codes = wait_for_agents(run_dir, started)
     # Agents added later by `join` are not our children: wait for them too.
     wait_quietly(lambda: any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes))
     monitor.stop()

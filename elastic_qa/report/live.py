@@ -212,6 +212,10 @@ def _agents(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
             agents[number] = {"agent": number, "pid": record.get("pid"), "role": role, "state": "started"}
         elif name in ("agent_leave", "agent_stop") and record.get("agent") in agents:
             agents[record["agent"]]["state"] = "left" if name == "agent_leave" else "stopped"
+        elif name == "agent_exit" and record.get("agent") in agents:
+            agent = agents[record["agent"]]
+            if agent["state"] == "started":  # one that left or was stopped keeps saying so
+                agent["state"] = f"exited {record.get('code', '?')}"
         elif name == "job_end":
             codes = record.get("exit_codes")
             codes = codes if isinstance(codes, dict) else {}

@@ -59,6 +59,7 @@ def test_a_start_after_an_old_crash_loop_in_the_same_run_dir_trains_to_the_end(
     assert code == 0, launcher_output[-2000:]
     actions = [json.loads(line)["event"] for line in (run_dir / "agents" / "launch.jsonl").open()]
     assert "crash_loop" not in actions
+    assert actions.count("agent_exit") == 1 and actions.index("agent_exit") < actions.index("job_end")
     done = [e for e in read_events(run_dir) if e["event"] == "train_done"]
     assert [e["step"] for e in done] == [STEPS]
     assert f"result: step {STEPS}" in launcher_output

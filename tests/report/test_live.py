@@ -173,3 +173,20 @@ def test_a_run_directory_without_logs_yet_is_waiting_and_its_first_lines_show_up
     write_run(run_dir)
     run.refresh()
     assert (run.state()["status"], run.state()["step"]) == ("finished", 100)
+
+
+def test_the_agents_table_follows_the_launchers_records_as_each_agent_ends(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    records = [
+        {"event": "agent_started", "agent": 0, "pid": 10, "is_host": True},
+        {"event": "agent_started", "agent": 1, "pid": 11, "is_host": False},
+        {"event": "agent_started", "agent": 2, "pid": 12, "is_host": False},
+        {"event": "agent_leave", "agent": 2, "pid": 12},
+        {"event": "agent_exit", "agent": 1, "pid": 11, "code": -15},  # ended by a signal, not by a command
+        {"event": "agent_exit", "agent": 2, "pid": 12, "code": 0},
+    ]
+    launch = run_dir / "agents" / "launch.jsonl"
+    launch.parent.mkdir(parents=True, exist_ok=True)
+    launch.write_text("".join(json.dumps(r) + "\n" for r in records))
+    states = {a["agent"]: (a["role"], a["state"]) for a in state_of(run_dir)["agents"]}
+    assert states == {0: ("store host", "started"), 1: ("agent", "exited -15"), 2: ("agent", "left")}
