@@ -26,6 +26,7 @@ from elastic_qa.report.dashboard_page import dashboard_html
 from elastic_qa.report.live import LiveRun
 
 DEFAULT_PORT = 8765
+SOCKET_TIMEOUT_S = 30.0
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -56,6 +57,7 @@ def make_handler(run: LiveRun, page: bytes, nonce: str, loopback_only: bool) -> 
     class Handler(BaseHTTPRequestHandler):
         server_version = "elastic-qa-dashboard"
         sys_version = ""
+        timeout = SOCKET_TIMEOUT_S  # a client silent this long is dropped (its thread with it)
 
         def do_GET(self) -> None:
             if loopback_only and not is_loopback(_host_name(self.headers.get("Host", ""))):
@@ -66,7 +68,7 @@ def make_handler(run: LiveRun, page: bytes, nonce: str, loopback_only: bool) -> 
                 self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
             elif url.path == "/state.json":
                 since = parse_qs(url.query).get("since", [""])[0]
-                run.refresh()
+                run.refresh()  # LiveRun locks: two tabs never read the same new bytes twice
                 state = run.state()
                 if since == str(state["version"]):
                     state = {key: state[key] for key in ("version", "idle_s", "behind")} | {"unchanged": True}
