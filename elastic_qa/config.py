@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import math
+import os
 import re
 import types
 import typing
@@ -405,6 +406,14 @@ class CheckpointConfig:
     SIGKILLs its workers 30 s after its SIGTERM)."""
     allow_non_persistent: bool = False
     """Allow a checkpoint.dir on a store that vanishes with the process (memory://); for tests only."""
+    node_local: bool = True
+    """Also keep the newest checkpoint in node-local memory (checkpoint.node_local_dir), written by the
+    background writer: an emergency save writes it there first, and a restarted worker on the same node
+    restores from it when it is at least as new as the newest durable checkpoint. Off where that
+    directory's parent does not exist."""
+    node_local_dir: str = ""
+    """Where the node-local copies live (a local path; one directory per checkpoint.dir inside); empty:
+    $ELASTIC_QA_NODE_LOCAL_DIR, else /dev/shm/elastic_qa."""
 
     def __post_init__(self) -> None:
         seconds = self.interval.total_seconds()
@@ -445,6 +454,13 @@ class CheckpointConfig:
             "resume_from",
             self.resume_from,
             "needs checkpoint.resume=true (resume=false starts from nothing)",
+        )
+        _require(
+            not self.node_local_dir
+            or (os.path.isabs(self.node_local_dir) and "://" not in self.node_local_dir),
+            "node_local_dir",
+            self.node_local_dir,
+            "must be an absolute local path (node-local memory, e.g. /dev/shm/elastic_qa)",
         )
         for name in ("give_up_after", "final_retry_for"):
             value = getattr(self, name)

@@ -207,8 +207,9 @@ def upgrade(trainer: dict[str, Any], where: str = "checkpoint") -> dict[str, Any
     }
 
 
-def gather_rng_states(ctx: DistContext, group: Any) -> dict[str, Any]:
-    """Every rank's RNG state on rank 0, moved as bytes in uint8 tensors and read with weights_only.
+def gather_rng_states(ctx: DistContext, group: Any, everywhere: bool = False) -> dict[str, Any]:
+    """Every rank's RNG state on rank 0 (and on this rank too when `everywhere`), moved as bytes in uint8
+    tensors and read with weights_only.
 
     Collective: every rank calls it at the same step (a checkpoint step).
     """
@@ -218,6 +219,6 @@ def gather_rng_states(ctx: DistContext, group: Any) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(mine, buffer)
     parts = all_gather_bytes(buffer.getvalue(), ctx.world_size, group)
-    if not ctx.is_main:
+    if not (ctx.is_main or everywhere):
         return {}
     return {str(rank): torch.load(io.BytesIO(part), weights_only=True) for rank, part in enumerate(parts)}

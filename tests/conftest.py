@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from elastic_qa.checkpoint.node_local import ROOT_ENV
 from elastic_qa.config import Config, load_config, packaged_config
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# The node-local checkpoint copies (checkpoint/node_local.py) of every job the tests start, the jobs they
+# kill included, go here (inherited by subprocesses and torchrun workers), never into /dev/shm.
+NODE_LOCAL_ROOT = tempfile.mkdtemp(prefix="elastic-qa-node-local-")
+os.environ[ROOT_ENV] = f"{NODE_LOCAL_ROOT}/copies"
+atexit.register(shutil.rmtree, NODE_LOCAL_ROOT, True)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/bench
     throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
     compile      the product eager vs train.compile=true: steady-state steps/s, cold compile time
     checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
+    emergency    emergency save and restore to first step, with and without the node-local copy
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
@@ -48,6 +49,7 @@ BENCHMARKS = (
     "throughput",
     "compile",
     "checkpoint",
+    "emergency",
     "resume",
     "recovery",
     "scaling",

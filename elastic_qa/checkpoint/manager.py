@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_qa.checkpoint.best import best_record, best_step
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
@@ -60,8 +61,10 @@ class Checkpointer:
         may_commit: Callable[[], None] = lambda: None,
         before_file: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
+        node_local: NodeLocalCopy | None = None,
     ) -> None:
         self.cfg = cfg
+        self.node_local = node_local  # this node's copy of the newest checkpoint (node_local.py), if on
         self.clock = clock
         self.store = store
         self.may_commit = may_commit
@@ -83,8 +86,11 @@ class Checkpointer:
         blocking: bool = False,
         reason: str = "periodic",
         ignore_failures: bool = False,
+        durable: bool = True,
+        node_local: bool = True,
     ) -> SaveResult:
-        """Snapshot `state` ({file: state dict}) now and commit it as checkpoint `step`.
+        """Snapshot `state` ({file: state dict}) now and commit it as checkpoint `step`: to the node-local
+        copy first (when on and `node_local`), then to the store (when `durable`).
 
         `ignore_failures`: save even when earlier failures were fatal (an emergency save is the last chance).
         """
@@ -100,7 +106,7 @@ class Checkpointer:
         blocking_seconds = time.perf_counter() - started
         job = threading.Thread(
             target=self._write,
-            args=(step, snapshot, manifest_fields, started, blocking_seconds, reason),
+            args=(step, snapshot, manifest_fields, started, blocking_seconds, reason, durable, node_local),
             name=f"checkpoint-{step}",
             daemon=False,
         )
@@ -108,9 +114,19 @@ class Checkpointer:
             self._thread = job
             job.start()
         else:
-            self._write(step, snapshot, manifest_fields, started, None, reason)
+            self._write(step, snapshot, manifest_fields, started, None, reason, durable, node_local)
             blocking_seconds = time.perf_counter() - started
         return SaveResult(step, blocking_seconds, waited)
+
+    def copy_to_node_local(self, step: int, state: dict[str, Any], manifest_fields: dict[str, Any]) -> bool:
+        """Commit `state` as this node's copy of `step` now, without waiting for a save in flight (an
+        emergency: memory first, durable storage after); whether the copy stands."""
+        if self.node_local is None:
+            return False
+        snapshot = cpu_copy(state)
+        check_safe(snapshot, "checkpoint")
+        files = {name: serialize(snapshot[name]) for name in STATE_FILES}
+        return self.node_local.commit(step, files, manifest_fields)
 
     def wait(self) -> float:
         """Block until the in-flight save (if any) has finished; return how long that took."""
@@ -137,13 +153,19 @@ class Checkpointer:
         started: float,
         blocking_seconds: float | None,
         reason: str,
+        durable: bool = True,
+        node_local: bool = True,
     ) -> None:
         """Serialise, commit, verify, prune; `blocking_seconds` None means a synchronous save."""
         try:
             check_safe(snapshot, "checkpoint")
+            files = {name: serialize(snapshot[name]) for name in STATE_FILES}
+            if node_local and self.node_local is not None:  # memory first: fast, and the newest state
+                self.node_local.commit(step, files, manifest_fields)
+            if not durable:
+                return
             wanted = best_step(manifest_fields)  # the tracker's best, which a peer may still be writing
             manifest_fields = self._standing_best(step, manifest_fields)
-            files = {name: serialize(snapshot[name]) for name in STATE_FILES}
             path = self.store.commit(step, files, manifest_fields, self.may_commit, self.before_file)
             verdict = self.store.verify(path)
             if not verdict.ok:

@@ -17,6 +17,7 @@ once it is committed and verified).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.payload import rng_state, versions
 from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.run_record import (
@@ -66,6 +68,7 @@ class FinalStateError(RuntimeError):
 class RestoreChoice:
     step: int  # the checkpoint to load; -1: none, a fresh start
     from_source: bool  # it is in checkpoint.resume_from, not in this run's store
+    node_local: bool  # every rank loads it from its node's copy (checkpoint/node_local.py)
     run_high: int  # the run's uuid (checkpoint/run_record.py) as two signed 64-bit words
     run_low: int
 
@@ -79,6 +82,7 @@ class HoldTaken:
 class Registration:
     attempt: int  # the job-wide attempt number rank 0 claimed
     restore_again: bool  # a checkpoint newer than the restored one was committed meanwhile
+    make_durable: bool  # restored from the node-local copies, a step the store does not hold: save it
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,13 @@ class CheckpointSession:
         self.log = get_logger()
         self.store = open_store(cfg.checkpoint_dir)
         self.fence = Fence(self.store)
+        self.node_local = NodeLocalCopy.open(cfg.checkpoint, self.store.display(self.store.root))
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.store, may_commit=self.fence.check, before_file=storage_fault_hook(cfg)
+            cfg.checkpoint,
+            self.store,
+            may_commit=self.fence.check,
+            before_file=storage_fault_hook(cfg),
+            node_local=self.node_local,
         )
         self.schedule = SaveSchedule(cfg.checkpoint)
         # The outcome of the final save travels on a group whose timeout covers its retries.
@@ -122,6 +131,8 @@ class CheckpointSession:
         self.run_uuid = ""  # the run this start belongs to (checkpoint/run_record.py), agreed at restore
         self._new_record: RunRecord | None = None  # rank 0: written at registration (a store without one)
         self.source: CheckpointLocation | None = None  # restored from checkpoint.resume_from, not our store
+        self.from_node_local = False  # restored from the node-local copies, not from the store
+        self._in_node_memory = -1  # the step an emergency save put in node memory
         self.on_stall: Callable[[float], None] = on_stall or (lambda seconds: None)
 
     # ---- start-up -----------------------------------------------------------------------------------
@@ -129,31 +140,78 @@ class CheckpointSession:
         """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing.
         A refusal (ResumeError) is raised on every rank with rank 0's message."""
         loaded: LoadedCheckpoint | None = None  # rank 0 loads it while choosing
+        newest = self.node_local.newest() if self.node_local else None
+        mine = None if newest is None else dataclasses.asdict(newest)
+        copies = self._gather_json(mine) if self.ctx.distributed else [mine]
 
         def choose() -> RestoreChoice:
             nonlocal loaded
-            loaded = self._choose()
+            loaded = self._choose(copies)
             high, low = _uuid_words(self.run_uuid)
-            return RestoreChoice(loaded.step if loaded else -1, self.source is not None, high, low)
+            step = loaded.step if loaded else -1
+            return RestoreChoice(step, self.source is not None, self.from_node_local, high, low)
 
         choice = decide_on_rank0(self.ctx, self.control_group, choose, RestoreChoice, (ResumeError,))
         self.run_uuid = _uuid_of(choice.run_high, choice.run_low)
+        self.from_node_local = choice.node_local
         if choice.step >= 0 and loaded is None:
-            loaded = self._load_chosen(choice.step, from_source=choice.from_source)
+            loaded = self._load_chosen(choice.step, choice.from_source, choice.node_local)
         if loaded is not None:
             self.state.load_state_dict(loaded)
         self.restored = loaded
         return loaded
 
-    def _load_chosen(self, step: int, from_source: bool) -> LoadedCheckpoint:
-        """Ranks other than 0: load the checkpoint rank 0 chose, from our store or checkpoint.resume_from."""
+    def _load_chosen(self, step: int, from_source: bool, node_local: bool) -> LoadedCheckpoint:
+        """Ranks other than 0: load the checkpoint rank 0 chose, from our store, this node's copy or
+        checkpoint.resume_from."""
+        if node_local:
+            return self._load_node_local(step)
         if not from_source:
             return self.checkpointer.load_step(self.store.path(step_dir_name(step)), step)
         self.source = resolve_checkpoint_path(self.cfg.checkpoint.resume_from)
         path = self.source.step_path or self.source.store().path(step_dir_name(step))
         return self.source.checkpointer().load_step(path, step)
 
-    def _choose(self) -> LoadedCheckpoint | None:
+    def _load_node_local(self, step: int) -> LoadedCheckpoint:
+        assert self.node_local is not None  # chosen only when every rank reported a copy
+        copies = Checkpointer(self.cfg.checkpoint, self.node_local.store)
+        return copies.load_step(self.node_local.store.path(step_dir_name(step)), step)
+
+    def _choose_node_local(self, copies: list[dict[str, Any] | None]) -> LoadedCheckpoint | None:
+        """Rank 0: the node-local copies to restore, when every rank holds one that verifies at the same
+        step, of this run (`run`) and of the newest attempt registered (fencing: a stale group's copy is
+        never used), at least as new as the store's newest checkpoint; None: restore from the store."""
+        if not copies or any(copy is None for copy in copies) or self.node_local is None:
+            return None
+        kinds = {(copy["step"], copy["attempt"], copy["run"]) for copy in copies if copy is not None}
+        step, attempt, run = min(kinds)
+        committed = self.store.list_steps()
+        durable = committed[-1].step if committed else -1
+        newest_attempt = self.fence.newest()
+        reason = (
+            "the ranks' copies differ"
+            if len(kinds) > 1
+            else "another run's"
+            if run != self.run_uuid
+            else f"written by attempt {attempt}, not by the newest ({newest_attempt})"
+            if attempt != newest_attempt
+            else f"older than the store's newest (step {durable})"
+            if step < durable
+            else ""
+        )
+        if reason:
+            self.log.info("node_local_ignored", step=step, reason=reason)
+            return None
+        try:
+            loaded = self._load_node_local(step)
+        except (CheckpointError, OSError, ValueError, KeyError) as err:
+            self.log.warning("node_local_rejected", step=step, reason=str(err))
+            return None
+        self.from_node_local = True
+        self.log.info("node_local_restore", step=step, durable_step=durable, path=loaded.path)
+        return loaded
+
+    def _choose(self, copies: list[dict[str, Any] | None]) -> LoadedCheckpoint | None:
         """Rank 0: the checkpoint to resume, or None to start fresh; ResumeError: the start must not go on."""
         cfg = self.cfg
         self._claim_run()
@@ -164,8 +222,8 @@ class CheckpointSession:
                     f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another job "
                     f"(newest: step {foreign[-1].step}); use a new run.dir or checkpoint.dir, or resume them"
                 )
-        self.rejected, self.source = [], None
-        loaded = self.checkpointer.load_newest(self.rejected)
+        self.rejected, self.source, self.from_node_local = [], None, False
+        loaded = self._choose_node_local(copies) or self.checkpointer.load_newest(self.rejected)
         if loaded is None and cfg.checkpoint.resume_from:
             loaded = self._load_resume_from()
         elif loaded is not None and cfg.checkpoint.resume_from:  # a restart: its own work is newer
@@ -294,7 +352,9 @@ class CheckpointSession:
                 self._quarantine(rejection)
             committed = self.store.list_steps()
             restored_step = self.restored.step if self.restored else -1
-            return Registration(attempt, bool(committed) and committed[-1].step > restored_step)
+            newer = bool(committed) and committed[-1].step > restored_step
+            make_durable = self.from_node_local and not self.store.exists(restored_step)
+            return Registration(attempt, newer, make_durable)
 
         registration = decide_on_rank0(self.ctx, self.control_group, claim, Registration)
         self.attempt = self.fence.attempt = registration.attempt
@@ -302,6 +362,11 @@ class CheckpointSession:
         if registration.restore_again:
             self.log.warning("checkpoint_appeared", restored_step=self.state.step)
             self.restore()
+        elif registration.make_durable:
+            # The restored state exists only in node memory: commit it to the store now (in the
+            # background), so that losing the node loses nothing more than it would have without the copy.
+            self.log.info("node_local_made_durable", step=self.state.step)
+            self.save("node_local")
         return self.attempt
 
     def _quarantine(self, rejection: Rejection) -> None:
@@ -320,7 +385,11 @@ class CheckpointSession:
     def resumed_step(self) -> int | None:
         """The step of the checkpoint restored from our own store (one from checkpoint.resume_from is not
         ours: this run saves that step again rather than count on it)."""
-        return self.restored.step if self.restored and self.source is None else None
+        if self.restored is None or self.source is not None:
+            return None
+        if self.from_node_local and not self.store.exists(self.restored.step):
+            return None  # in node memory only (its save to the store may still be in flight)
+        return self.restored.step
 
     def log_start(self, newly_initialized: list[str]) -> None:
         """Say where training starts: `resume` (with the checkpoint) or `start_fresh` (naming the
@@ -333,7 +402,8 @@ class CheckpointSession:
         self.log.info(
             "resume",
             step=state.step,
-            path=self.store.display(loaded.path),
+            path=loaded.path if self.from_node_local else self.store.display(loaded.path),
+            node_local=self.from_node_local,
             saved_world_size=loaded.manifest.get("world_size"),
             world_size=self.ctx.world_size,
             epoch=state.cursor.epoch,
@@ -362,16 +432,18 @@ class CheckpointSession:
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, reason: str) -> None:
-        """A periodic checkpoint of the last completed step (async). Collective: every rank's RNG."""
-        files = self._files()
+        """A periodic checkpoint of the last completed step (async). Collective: every rank's RNG.
+        Rank 0 writes it to the store; the first rank of each node to its node's copy (when on)."""
+        node_writer = self.node_local is not None and self.ctx.local_rank == 0
+        files = self._files(node_writer)
         if files is not None:
-            self._write(files, reason, blocking=False)
+            self._write(files, reason, blocking=False, durable=self.ctx.is_main)
 
-    def _files(self) -> dict[str, Any] | None:
-        """The checkpoint files with every rank's RNG state (collective; None on ranks other than 0:
-        rank 0 writes)."""
-        rngs = gather_rng_states(self.ctx, self.control_group)
-        if not self.ctx.is_main:
+    def _files(self, node_writer: bool = False) -> dict[str, Any] | None:
+        """The checkpoint files with every rank's RNG state (collective; None on ranks other than 0 and,
+        when `node_writer`, this one: rank 0 writes, and each node's writer of its copy)."""
+        rngs = gather_rng_states(self.ctx, self.control_group, everywhere=node_writer)
+        if not (self.ctx.is_main or node_writer):
             return None
         return self.state.state_dict(rngs, self.attempt)
 
@@ -380,7 +452,12 @@ class CheckpointSession:
         return self.state.state_dict({str(self.ctx.rank): rng_state()}, self.attempt)
 
     def _write(
-        self, files: dict[str, Any], reason: str, blocking: bool, ignore_failures: bool = False
+        self,
+        files: dict[str, Any],
+        reason: str,
+        blocking: bool,
+        ignore_failures: bool = False,
+        durable: bool = True,
     ) -> None:
         result = self.checkpointer.save(
             self.state.step,
@@ -389,6 +466,8 @@ class CheckpointSession:
             blocking=blocking,
             reason=reason,
             ignore_failures=ignore_failures,
+            durable=durable,
+            node_local=reason != "final",  # the job is done: its node-local copy is removed
         )
         self.on_stall(result.blocking_seconds)
         self.schedule.saved()
@@ -437,6 +516,12 @@ class CheckpointSession:
         step = self.state.step
         self.log.error("emergency_checkpoint", step=step, reason=reason)
         try:
+            if step > 0 and self.node_local is not None:  # memory first: done in well under the window
+                started = time.perf_counter()
+                if self.checkpointer.copy_to_node_local(step, self._own_files(), self._manifest_fields()):
+                    seconds = round(time.perf_counter() - started, 4)
+                    self.log.info("node_local_emergency", step=step, seconds=seconds)
+                    self._in_node_memory = step
             self.checkpointer.wait()
             if step == 0 or self._committed_by_us(step):
                 return
@@ -482,6 +567,8 @@ class CheckpointSession:
                 f"{self.store.url} (last error: {self.checkpointer.last_error or 'see rank 0'})"
             )
         self.checkpointer.wait()
+        if self.node_local is not None and self.ctx.local_rank == 0:  # done: the durable state is final
+            self.node_local.remove()
         if self.ctx.is_main:  # done: the run is free for the next start without any liveness check
             self.hold.release()
 
@@ -499,11 +586,16 @@ class CheckpointSession:
         if self.checkpointer.fenced:  # not a loss: a newer group owns the run and holds the newer state
             self.log.warning("not_saved_stale", step=step, reason=reason, error=error)
             return
-        self.log.error("checkpoint_lost", step=step, reason=reason, error=error)
+        if self._in_node_memory == step:  # a restart on this node resumes it (and then commits it)
+            self.log.error("checkpoint_node_local_only", step=step, reason=reason, error=error)
+            loss = "it is kept in this node's memory only (lost with the node)"
+        else:
+            self.log.error("checkpoint_lost", step=step, reason=reason, error=error)
+            loss = "work since the last checkpoint is lost"
         with contextlib.suppress(OSError):
             print(
                 f"elastic-qa: step {step} could not be committed ({reason} save; last error: "
-                f"{error or 'none'}): work since the last checkpoint is lost",
+                f"{error or 'none'}): {loss}",
                 file=sys.stderr,
                 flush=True,
             )

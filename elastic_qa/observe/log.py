@@ -161,7 +161,14 @@ class _JsonLinesFile:
 # Events whose caller also says so in a plain sentence (stderr, or the console for diagnoses and config
 # warnings): echoing them too would say it twice.
 _SAID_BY_CALLER = frozenset(
-    {"bad_input", "checkpoint_fatal", "checkpoint_lost", "diagnosis", "config_warning"}
+    {
+        "bad_input",
+        "checkpoint_fatal",
+        "checkpoint_lost",
+        "checkpoint_node_local_only",
+        "diagnosis",
+        "config_warning",
+    }
 )
 
 
