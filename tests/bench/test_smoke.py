@@ -161,10 +161,43 @@ def test_drift(tmp_path: Path, cache_dir: Path) -> None:
         assert set(differences) == {"3", "6"} and all(0 <= d < 1e-3 for d in differences.values())
 
 
+def test_emergency_measures_both_variants_on_both_storages_and_leaves_no_node_local_copy(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    node_local = tmp_path / "node-local"
+    result = bench(
+        tmp_path,
+        "emergency",
+        "--model-dir",
+        str(hf_models["bert"]),
+        "--reps",
+        "1",
+        "--node-local-dir",
+        str(node_local),
+    )
+    variants = result["models"]["bert"]["variants"]
+    assert set(variants) == {
+        f"{s}/{v}" for s in ("disk", "slow") for v in ("durable only", "node-local copy")
+    }
+    for figures in variants.values():
+        assert set(figures) == {
+            "periodic",
+            "safe_after",
+            "emergency_durable",
+            "load",
+            "restart_to_first_step",
+        }
+        assert all(positive(stat) for stat in figures.values())
+        assert figures["safe_after"]["median"] <= figures["emergency_durable"]["median"]
+    assert not node_local.exists() or not any(node_local.iterdir())
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         [],
+        ["emergency", "--storage", "tape"],
+        ["emergency", "--slow-mbs", "0"],
         ["nosuch"],
         ["throughput", "--reps", "0"],
         ["scaling", "--world-sizes", "one"],
