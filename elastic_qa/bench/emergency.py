@@ -140,7 +140,8 @@ def one_rep(
         started = time.perf_counter()  # the restarted worker, once its process and group are up
         if node is not None and node.newest() is not None:
             local = Checkpointer(checkpoint_cfg, node.store)
-            loaded: LoadedCheckpoint | None = local.load_step(node.store.path(step_dir_name(2)), 2)
+            path = node.store.path(step_dir_name(2))
+            loaded: LoadedCheckpoint | None = local.load_step(path, 2, verified=True)
         else:
             loaded = checkpointer.load_newest()
         assert loaded is not None and loaded.step == 2

@@ -123,7 +123,7 @@ class Checkpointer:
         emergency: memory first, durable storage after); whether the copy stands."""
         if self.node_local is None:
             return False
-        snapshot = cpu_copy(state)
+        snapshot = cpu_copy(state, clone=False)  # training has stopped: no copy of CPU tensors needed
         check_safe(snapshot, "checkpoint")
         files = {name: serialize(snapshot[name]) for name in STATE_FILES}
         return self.node_local.commit(step, files, manifest_fields)
@@ -254,12 +254,20 @@ class Checkpointer:
                 self.log.warning("checkpoint_prune_failed", step=info.step, path=info.path, error=str(err))
 
     # ---- loading ------------------------------------------------------------------------------------
-    def load_step(self, info_path: str, step: int) -> LoadedCheckpoint:
-        """Verify and load one checkpoint; raises CheckpointError with the reason when it is not valid."""
-        verdict = self.store.verify(info_path)
-        if not verdict.ok:
-            raise CheckpointError(verdict.reason)
-        manifest = verdict.manifest
+    def load_step(self, info_path: str, step: int, verified: bool = False) -> LoadedCheckpoint:
+        """Verify and load one checkpoint; raises CheckpointError with the reason when it is not valid.
+
+        `verified`: the caller verified it moments ago; skip that pass (loading checks each file's size and
+        sha256 again as it reads it, so a file changed since is still refused).
+        """
+        manifest: dict[str, Any] | None
+        if verified:
+            manifest = self.store.read_manifest(info_path)
+        else:
+            verdict = self.store.verify(info_path)
+            if not verdict.ok:
+                raise CheckpointError(verdict.reason)
+            manifest = verdict.manifest
         assert manifest is not None  # an ok verdict always carries the manifest it verified
         loaded = {name: self.store.load_file(info_path, manifest, name) for name in STATE_FILES}
         for name, value in loaded.items():

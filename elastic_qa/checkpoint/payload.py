@@ -32,22 +32,23 @@ def versions() -> dict[str, str]:
     }
 
 
-def cpu_copy(obj: Any) -> Any:
-    """Deep copy with every tensor cloned to CPU memory: the only training stall.
+def cpu_copy(obj: Any, clone: bool = True) -> Any:
+    """Deep copy with every tensor cloned to CPU memory: the only training stall. `clone=False` leaves CPU
+    tensors as they are (training has stopped: nothing will change them while they are written).
 
     GPU tensors are copied synchronously (each copy waits for the kernels that produce the tensor): the
     background writer must never read a copy still in flight.
     """
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu":
-            return obj.detach().clone()
+            return obj.detach().clone() if clone else obj.detach()
         return obj.detach().to("cpu", non_blocking=False)
     if isinstance(obj, dict):
-        return {key: cpu_copy(value) for key, value in obj.items()}
+        return {key: cpu_copy(value, clone) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [cpu_copy(value) for value in obj]
+        return [cpu_copy(value, clone) for value in obj]
     if isinstance(obj, tuple):
-        return tuple(cpu_copy(value) for value in obj)
+        return tuple(cpu_copy(value, clone) for value in obj)
     return obj
 
 

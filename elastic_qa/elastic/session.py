@@ -175,7 +175,8 @@ class CheckpointSession:
     def _load_node_local(self, step: int) -> LoadedCheckpoint:
         assert self.node_local is not None  # chosen only when every rank reported a copy
         copies = Checkpointer(self.cfg.checkpoint, self.node_local.store)
-        return copies.load_step(self.node_local.store.path(step_dir_name(step)), step)
+        # newest() verified it at this restore (every rank's report says so)
+        return copies.load_step(self.node_local.store.path(step_dir_name(step)), step, verified=True)
 
     def _choose_node_local(self, copies: list[dict[str, Any] | None]) -> LoadedCheckpoint | None:
         """Rank 0: the node-local copies to restore, when every rank holds one that verifies at the same
@@ -187,18 +188,15 @@ class CheckpointSession:
         step, attempt, run = min(kinds)
         committed = self.store.list_steps()
         durable = committed[-1].step if committed else -1
-        newest_attempt = self.fence.newest()
-        reason = (
-            "the ranks' copies differ"
-            if len(kinds) > 1
-            else "another run's"
-            if run != self.run_uuid
-            else f"written by attempt {attempt}, not by the newest ({newest_attempt})"
-            if attempt != newest_attempt
-            else f"older than the store's newest (step {durable})"
-            if step < durable
-            else ""
-        )
+        reason = ""
+        if len(kinds) > 1:
+            reason = "the ranks' copies differ"
+        elif run != self.run_uuid:
+            reason = "another run's"
+        elif attempt != (newest_attempt := self.fence.newest()):
+            reason = f"written by attempt {attempt}, not by the newest ({newest_attempt})"
+        elif step < durable:
+            reason = f"older than the store's newest (step {durable})"
         if reason:
             self.log.info("node_local_ignored", step=step, reason=reason)
             return None
