@@ -482,7 +482,9 @@ class DistConfig:
     agent_lost_grace: timedelta = timedelta(seconds=15)
     """A worker whose agent died gets this long to save and leave before it exits (code 76) regardless."""
     control_period: timedelta = timedelta(milliseconds=100)
-    """Ranks agree on stop/save (one tiny all-reduce) about this often: a SIGTERM is acted on this late."""
+    """Ranks agree on stop/save (one tiny all-reduce) about this often: a SIGTERM is acted on this late.
+    The `step` lines' loss sums ride on it: a line is written up to this late (stamped with its step's
+    time)."""
 
     def __post_init__(self) -> None:
         _require(self.timeout.total_seconds() > 0, "timeout", format_duration(self.timeout), "must be > 0")

@@ -102,7 +102,7 @@ class Trainer:
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
         check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
         self.trackers: Trackers | None = None  # started once the run is registered
-        self.step_log = StepLog(ctx, self.control_group, self.console, self.scalars)
+        self.step_log = StepLog(ctx, self.console, self.scalars)
         self.scoring = Scoring(
             cfg,
             ctx,
@@ -238,22 +238,24 @@ class Trainer:
         cfg, step, end = self.cfg, self.state.step, self.state.end_step
         if self.compile_watch and (news := self.compile_watch.news()):
             self.log.info("compile", step=step, **news)
+        self.control.deliver()  # earlier steps' lines (and diagnosis), summed on this step's agreement
         if step % cfg.log.every_steps == 0 or step == end:
             rate = self.timer.samples_per_s(batch.global_count)
-            self.step_log.step(self.state, batch.epoch, stats, rate, self.trackers)
+            self.step_log.step(self.state, batch.epoch, stats, rate, self.trackers, self.control.carry)
         self.timer.mark("log_and_save")
         new_best = False
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
+            self.control.flush()  # the lines carried so far before the evaluation's
             new_best = self._evaluate() is not None and self.state.best.step == step
             self.timer.mark(None)  # evaluation is none of the step's phases
         # A stop commits this step as its own checkpoint instead (_stop).
         reason = self.session.save_due(step, decision.save, new_best)
         if reason and not decision.stop:
+            self.control.flush()  # the lines carried so far before the checkpoint's
             self.session.save(reason)
         self.timer.mark("log_and_save")
-        self.timer.finish_step(
-            self.ctx, self.control_group, self.log, self.console if self.ctx.is_main else None
-        )
+        console = self.console if self.ctx.is_main else None
+        self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
     def _evaluate(self) -> dict[str, float] | None:
@@ -261,6 +263,7 @@ class Trainer:
 
     # ---- the end ------------------------------------------------------------------------------------
     def _stop(self) -> dict[str, Any]:
+        self.control.flush()  # no next agreement: the lines carried so far now
         self.control.enter(Phase.STOPPING)
         # The control all-reduce carries that some rank was asked to stop, not by what: a rank that was not
         # signalled itself (rank 0 when `leave` stopped another agent) names the stop generically.
@@ -274,6 +277,7 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         """Final evaluation and checkpoint. Done only once the final state is committed and verified."""
+        self.control.flush()  # no next agreement: the lines carried so far now
         self.control.enter(Phase.DONE)
         step = self.state.step
         early = self.state.best.exhausted and step < self.state.end_step

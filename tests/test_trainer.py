@@ -14,7 +14,7 @@ import torch
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.config import ConfigError, load_config, packaged_config
-from elastic_qa.loop.step import autocast_dtype
+from elastic_qa.loop.step import autocast_dtype, clip_gradients
 from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
 from tests.conftest import tiny_overrides
@@ -150,3 +150,17 @@ def test_bf16_on_a_gpu_without_bf16_is_refused_at_start_up_naming_the_gpu(monkey
 
     with pytest.raises(ConfigError, match=r"train\.precision=bf16: Tesla K80 cannot compute in bf16"):
         autocast_dtype("bf16", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6, float("inf")], ids=["clips", "within", "off"])
+def test_clipping_gives_torchs_clip_grad_norm_bitwise_norm_and_gradients(max_norm: float) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ours = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 130, 1)]
+    theirs = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 130, 1)]
+    for mine, torchs in zip(ours, theirs, strict=True):
+        mine.grad = torch.randn(mine.shape, generator=generator)
+        torchs.grad = mine.grad.clone()
+    norm = clip_gradients(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=True)
+    assert torch.equal(norm, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs, strict=True))

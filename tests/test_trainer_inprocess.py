@@ -149,3 +149,35 @@ def test_the_end_step_is_committed_verified_and_the_run_let_go(started) -> None:
     assert again.session.resumed_step == 4
     assert again.train()["step"] == 4
     assert committed(again) == [2, 4]
+
+
+def test_step_lines_carried_to_a_later_agreement_come_in_order_before_what_follows_them(started) -> None:
+    # Agreements in the first steps only (a long control period): the later lines' sums wait for a flush.
+    trainer = started(
+        "train.max_steps=12", "dist.control_period=1h", "log.every_steps=2", "train.eval_every=6"
+    )
+    trainer.train()
+    events = [e for e in read_events(Path(trainer.cfg.run.dir)) if e.get("rank") == 0]
+    names = [(e["event"], e.get("step")) for e in events if e["event"] in ("step", "eval", "train_done")]
+    lines = [("step", step) for step in (2, 4, 6)] + [("eval", 6)] + [("step", step) for step in (8, 10, 12)]
+    assert names == [*lines, ("eval", 12), ("train_done", 12)]
+    stamps = [e["ts"] for e in events if e["event"] == "step"]
+    assert stamps == sorted(stamps)  # each stamped when its step ended
+
+
+def test_a_peer_lost_while_the_carried_sums_are_flushed_takes_the_emergency_path(started) -> None:
+    trainer = started("train.max_steps=6", "dist.control_period=1h")
+    agree = trainer.control.all_reduce
+    assert agree is not None
+
+    def lost_peer(values: torch.Tensor):
+        if trainer.state.step == 6:  # no agreement after the first steps: the end's flush of the lines
+            raise dist.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+        return agree(values)
+
+    trainer.control.all_reduce = lost_peer
+    with pytest.raises(PeerFailure, match="Connection closed by peer"):
+        trainer.train()
+    assert committed(trainer) == [6]  # the last completed step, saved as an emergency
+    events = read_events(Path(trainer.cfg.run.dir))
+    assert not any(e.get("event") == "train_done" for e in events)

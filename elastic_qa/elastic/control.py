@@ -15,15 +15,20 @@ The collectives of a step, in the order every rank reaches them (a rank that ski
 another order, hangs the group until dist.timeout). `COLLECTIVES` names them in that order.
 
 Per step, on every rank:
-  1. control all-reduce (3 float64s: stop, timed save due, steps to the next control step), started before
-     forward/backward and waited for after it, only on control steps (about every dist.control_period);
+  1. control all-reduce (float64s: stop, timed save due, steps to the next control step, then the values
+     carried since the last one: `ControlPlane.carry`), started before forward/backward and waited for
+     after it, only on control steps (about every dist.control_period);
   2. the DDP gradient all-reduce (buckets, inside the last micro-batch's backward).
+What a step carries rides on the next control all-reduce, overlapped with compute, so that no step waits
+for a collective of its own: the loss sums of a logging step (every log.every_steps, and max_steps;
+loop/step_log.py) and the figures of a breakdown step (every log.breakdown_every; observe/breakdown.py).
+Where something must follow them before the next agreement (an evaluation, a checkpoint, a stop, the end),
+`flush` sums them at once:
+  3. carried all-reduce (`flush`), on such steps when values are carried, after the optimizer step;
 On some steps, after the optimizer step, in this order:
-  3. loss all-reduce, on logging steps (every log.every_steps, and max_steps);
   4. RNG all-gather (sizes, then payloads), on checkpoint steps (a save decided by 1., every_steps,
      milestones) and before a stop or final save;
-  5. step-breakdown all-gather, every log.breakdown_every steps (observe/breakdown.py);
-  6. final-outcome broadcast from rank 0 (on its own group, whose timeout covers the final save's retries).
+  5. final-outcome broadcast from rank 0 (on its own group, whose timeout covers the final save's retries).
 At start-up: the broadcast of the checkpoint rank 0 chose, then the broadcast of the attempt number.
 Rank 0's decisions (the checkpoint chosen, the run's hold, the attempt, the final outcome, evaluation scores)
 travel through dist.decide_on_rank0: one broadcast, and a second only for a refusal's text.
@@ -35,7 +40,7 @@ import enum
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,9 +48,8 @@ import torch.distributed as dist
 COLLECTIVES = (
     "control_all_reduce",
     "gradient_all_reduce",
-    "loss_all_reduce",
+    "carried_all_reduce",
     "rng_all_gather",
-    "breakdown_all_gather",
     "final_broadcast",
 )
 
@@ -95,6 +99,19 @@ class Decision:
 NO_DECISION = Decision(stop=False, save=False)
 
 
+# A value to sum over the ranks, and what is done with the sums once they arrive.
+Carried = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+_FLAGS = 3  # stop, timed save, steps to the next control step
+
+
+class Agreement(NamedTuple):
+    """A control step's all-reduce in flight: the flags and carried values, and its handle."""
+
+    values: torch.Tensor
+    work: Any
+    carried: list[Carried]
+
+
 class ControlPlane:
     """The per-step agreement and the worker's phase.
 
@@ -113,6 +130,8 @@ class ControlPlane:
         self.all_reduce = all_reduce
         self.phase = Phase.RUNNING
         self.next_control = 1
+        self._carried: list[Carried] = []  # to travel on the next agreement
+        self._arrived: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []  # summed, not delivered
 
     def begin(self, step: int) -> None:
         """The loop starts at `step`: the first agreement runs there (a resume starts past step 1)."""
@@ -127,11 +146,22 @@ class ControlPlane:
             raise RuntimeError(f"control plane: {self.phase.value} -> {phase.value} is not a transition")
         self.phase = phase
 
+    def carry(self, values: torch.Tensor, deliver: Callable[[torch.Tensor], None]) -> None:
+        """Sum `values` over the ranks on the next agreement (at most about dist.control_period away), then
+        `deliver(sums)` at the `deliver()` after it; alone, deliver them now. Every rank carries values of
+        the same sizes at the same steps (or the sums are garbage): what to carry must follow from the step.
+        """
+        if self.all_reduce is None:
+            deliver(values)
+            return
+        self._carried.append((values.to(torch.float64).flatten(), deliver))
+
     def start(
         self, step: int, stop_requested: bool, save_due: bool, step_s: float | None
-    ) -> tuple[torch.Tensor, Any] | None:
-        """On a control step, start the agreement on (stop, timed save, steps to the next control step);
-        it overlaps with the step's compute. Other steps have no collective of their own.
+    ) -> Agreement | None:
+        """On a control step, start the agreement on (stop, timed save, steps to the next control step)
+        and the sums of what was carried; it overlaps with the step's compute. Other steps have no
+        collective of their own.
 
         Rank 0 proposes how many steps make dist.control_period from its own step time; the all-reduce
         (a sum: the other ranks add zero) hands every rank the same number, so all agree on the next one.
@@ -141,21 +171,44 @@ class ControlPlane:
         every = 1
         if self.is_main and step_s:
             every = max(1, min(_MAX_STEPS_BETWEEN_CONTROL, round(self.period_s / step_s)))
-        flags = torch.tensor(
-            [float(stop_requested), float(self.is_main and save_due), float(every if self.is_main else 0)],
-            dtype=torch.float64,
-        )
-        return flags, self.all_reduce(flags) if self.all_reduce else None
+        flags = [float(stop_requested), float(self.is_main and save_due), float(every if self.is_main else 0)]
+        carried, self._carried = self._carried, []
+        values = torch.cat([torch.tensor(flags, dtype=torch.float64), *(v for v, _ in carried)])
+        return Agreement(values, self.all_reduce(values) if self.all_reduce else None, carried)
 
-    def finish(self, step: int, pending: tuple[torch.Tensor, Any] | None) -> Decision:
+    def finish(self, step: int, pending: Agreement | None) -> Decision:
         """Wait for the agreement started at `step` (the last collective before the optimizer step)."""
         if pending is None:
             return NO_DECISION
-        flags, work = pending
+        values, work, carried = pending
         if work is not None:
             work.wait()
-        self.next_control = step + int(flags[2].item())
-        return Decision(stop=flags[0].item() > 0, save=flags[1].item() > 0)
+        self.next_control = step + int(values[2].item())
+        self._arrive(values[_FLAGS:], carried)
+        return Decision(stop=values[0].item() > 0, save=values[1].item() > 0)
+
+    def deliver(self) -> None:
+        """Hand the sums that arrived with the last agreement to those who carried them."""
+        arrived, self._arrived = self._arrived, []
+        for sums, deliver in arrived:
+            deliver(sums)
+
+    def flush(self) -> None:
+        """Sum what is carried now, in one blocking all-reduce (collective: on every rank at the same step,
+        before anything that must come after the carried values' use: an evaluation, a save, the end), and
+        deliver it."""
+        carried, self._carried = self._carried, []
+        if carried and self.all_reduce is not None:
+            values = torch.cat([v for v, _ in carried])
+            self.all_reduce(values).wait()
+            self._arrive(values, carried)
+        self.deliver()
+
+    def _arrive(self, sums: torch.Tensor, carried: list[Carried]) -> None:
+        offset = 0
+        for values, deliver in carried:
+            self._arrived.append((sums[offset : offset + values.numel()], deliver))
+            offset += values.numel()
 
 
 def gloo_all_reduce(group: Any) -> Callable[[torch.Tensor], Any]:

@@ -72,7 +72,7 @@ def optimizer_step(
     schedule, clear the gradients; the gradient norm before clipping."""
     if state.scaler:
         state.scaler.unscale_(state.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip or float("inf"), foreach=True)
+    grad_norm = clip_gradients(trained, grad_clip or float("inf"))
     if state.scaler:
         state.scaler.step(state.optimizer)
         state.scaler.update()
@@ -81,3 +81,24 @@ def optimizer_step(
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_(parameters, max_norm, foreach=True)`, bitwise: the same norm, the same gradients.
+
+    Where the gradients are on the CPU and the clip factor is 1 (no clipping: the norm is within max_norm,
+    or max_norm is inf), the multiplication by 1.0 that torch does anyway (x * 1.0 == x: a pass over every
+    gradient, ~0.1 ms a step on a 1M-parameter model) is skipped; torch keeps it because reading the factor
+    would synchronise a GPU, so on one this is torch's own function. Clipping or not it costs less than
+    torch's, which groups the list by device and dtype twice (CPU time for the tiny hf model's 39 tensors
+    on a loaded machine: 175-215 us against 225-325 us).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if total_norm is None or not grads or any(g.device.type != "cpu" for g in grads):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    norm = total_norm(grads, foreach=True)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s factor
+    if factor.item() != 1.0:
+        torch._foreach_mul_(grads, factor)  # its multiplication (without grouping the list again)
+    return norm

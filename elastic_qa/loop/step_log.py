@@ -1,12 +1,13 @@
-"""The `step` line: the global batch's mean loss (one all-reduce), and the same figures for the console,
-TensorBoard and the trackers."""
+"""The `step` line: the global batch's mean loss (its sums carried on the control all-reduce), and the same
+figures for the console, TensorBoard and the trackers."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from elastic_qa.dist import DistContext
 from elastic_qa.observe.console import Console
@@ -22,11 +23,13 @@ class StepStats(NamedTuple):
     grad_norm: torch.Tensor  # before clipping
 
 
+# Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
+Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
+
+
 class StepLog:
-    def __init__(
-        self, ctx: DistContext, group: Any, console: Console, scalars: TensorBoardScalars | None
-    ) -> None:
-        self.ctx, self.group, self.console, self.scalars = ctx, group, console, scalars
+    def __init__(self, ctx: DistContext, console: Console, scalars: TensorBoardScalars | None) -> None:
+        self.ctx, self.console, self.scalars = ctx, console, scalars
         self.log = get_logger()
 
     def step(
@@ -36,32 +39,45 @@ class StepLog:
         stats: StepStats,
         samples_per_s: float,
         trackers: Trackers | None,
+        carry: Carry,
     ) -> None:
-        """Log the step `state` just completed, with this rank's `stats` (collective: the mean loss)."""
+        """Log the step `state` just completed, with this rank's `stats`. The global mean loss needs every
+        rank's sums: `carry` brings them (on the next step's control all-reduce, which no step waits for),
+        and the line is written then, stamped with this step's time and figures."""
         local = torch.stack([stats.loss_sum.float().cpu(), torch.tensor(float(stats.samples))])
-        totals = local.clone()
-        if self.ctx.distributed:
-            dist.all_reduce(totals, group=self.group)
+        figures = {
+            "step": state.step,
+            "epoch": epoch,
+            "lr": float(state.scheduler.get_last_lr()[0]),  # a float already; torch types it float | Tensor
+            "grad_norm": float(stats.grad_norm),
+            "samples_per_s": samples_per_s,
+            "cursor": state.cursor.samples_consumed,
+            "ts": round(time.time(), 6),  # when the step ended, not when its line is written
+        }
+        carry(local, lambda totals: self._write(figures, local, totals.to(local.dtype), trackers))
+
+    def _write(
+        self, figures: dict[str, Any], local: torch.Tensor, totals: torch.Tensor, trackers: Trackers | None
+    ) -> None:
+        step, lr, norm, rate = figures["step"], figures["lr"], figures["grad_norm"], figures["samples_per_s"]
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         local_loss = (local[0] / local[1].clamp(min=1)).item()
-        rate = samples_per_s
-        lr = float(state.scheduler.get_last_lr()[0])  # a float already; torch types it float | Tensor
-        norm = float(stats.grad_norm)
         self.log.info(
             "step",
-            step=state.step,
-            epoch=epoch,
+            step=step,
+            epoch=figures["epoch"],
             loss=round(loss, 6),
             rank_loss=round(local_loss, 6),
             lr=lr,
             grad_norm=round(norm, 6),
             samples_per_s=round(rate, 2),
             world_size=self.ctx.world_size,
-            cursor=state.cursor.samples_consumed,
+            cursor=figures["cursor"],
+            ts=figures["ts"],
         )
-        self.console.progress(state.step, loss, rate)
+        self.console.progress(step, loss, rate)
         if self.scalars:
-            self.scalars.add(state.step, loss=local_loss, grad_norm=norm, lr=lr, samples_per_s=rate)
+            self.scalars.add(step, loss=local_loss, grad_norm=norm, lr=lr, samples_per_s=rate)
         if trackers:
             world = float(self.ctx.world_size)
-            trackers.log(state.step, loss=loss, grad_norm=norm, lr=lr, samples_per_s=rate, world_size=world)
+            trackers.log(step, loss=loss, grad_norm=norm, lr=lr, samples_per_s=rate, world_size=world)

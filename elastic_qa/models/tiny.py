@@ -1,13 +1,15 @@
 """Tiny random transformers QA models with their own trained tokenizers, for tests, smoke runs and benchmarks.
 
-    python -m elastic_qa.models.tiny DIR --style bert|roberta [--size tiny|base]
+    python -m elastic_qa.models.tiny DIR --style bert|roberta [--size tiny|small|base]
 
 writes a loadable `model.name_or_path` directory: a randomly initialised BERT-style (WordPiece, token types)
 or RoBERTa-style (byte-level BPE, no token types) question-answering model, hidden size 32, 2 layers, and
 a fast tokenizer trained on a small built-in text (English and Chinese) plus any text files given. Nothing
-is downloaded. Needs the `hf` extra. `--size base` gives the model bert-base's shape instead (hidden 768,
-12 layers, 12 heads, feed-forward 3072, a 30,522-row embedding, 512 positions: 108.9M parameters) for
-measuring costs at real size; its tokenizer is the same small one, so only its first ids ever occur.
+is downloaded. Needs the `hf` extra. `--size small` widens it to hidden 128, 4 layers, 4 heads (0.94M
+parameters: per-step overhead at a less toy size). `--size base` gives the model bert-base's shape instead
+(hidden 768, 12 layers, 12 heads, feed-forward 3072, a 30,522-row embedding, 512 positions: 108.9M
+parameters) for measuring costs at real size; its tokenizer is the same small one, so only its first ids
+ever occur.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ SIZES: dict[str, tuple[dict[str, int | None], int]] = {
             "num_hidden_layers": 2,
             "num_attention_heads": 2,
             "intermediate_size": 64,
+        },
+        128,
+    ),
+    "small": (  # a 4-layer BERT for per-step overhead at a less toy size (0.94M parameters)
+        {
+            "vocab_size": None,
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 512,
         },
         128,
     ),
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "--size",
         choices=list(SIZES),
         default="tiny",
-        help="tiny (hidden 32, 2 layers) or base (bert-base's shape)",
+        help="tiny (hidden 32, 2 layers), small (hidden 128, 4 layers) or base (bert-base's shape)",
     )
     args = parser.parse_args(argv)
     try:

@@ -2,10 +2,11 @@
 
 Every `log.breakdown_every` steps each rank logs `step_breakdown`: data wait, forward+backward,
 communication (gradient all-reduce, from the timing DDP comm hook), optimizer, logging and saving (of
-which the checkpoint stall), the rest, and peak memory. The ranks' figures are gathered (one small
-all-gather on the CPU control group) and rank 0 prints a diagnosis when a share crosses a threshold: data
-wait > 10% (data-bound), communication > 20% (communication-bound), or one rank busier than the median by
-> 20% in two windows running (straggler).
+which the checkpoint stall), the rest, and peak memory. The ranks' figures are gathered (they ride on the
+next step's control all-reduce, each rank's in its own slot of a sum, so no step waits for them) and
+rank 0 prints a diagnosis when a share crosses a threshold: data wait > 10% (data-bound), communication
+> 20% (communication-bound), or one rank busier than the median by > 20% in two windows running
+(straggler).
 
 Phases are wall-clock marks. On CUDA a mark synchronises the device, which costs overlap, so there they are
 taken on the reporting step only; on CPU they cost nothing and every step is timed.
@@ -17,6 +18,7 @@ import resource
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ import torch.distributed as dist
 
 from elastic_qa.dist import CommTimer
 
+# Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
+Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
 PHASES = ("data", "forward_backward", "optimizer", "log_and_save")
 DATA_BOUND, COMM_BOUND, STRAGGLER = 0.10, 0.20, 0.20
 
@@ -80,8 +84,10 @@ class StepTimer:
         steps = len(self.rate_window) - 1
         return steps * global_count / max(self.rate_window[-1] - self.rate_window[0], 1e-9)
 
-    def finish_step(self, ctx: Any, group: Any, log: Any, console: Any) -> None:
-        """Close the step; on a reporting step, log this rank's breakdown and (rank 0) the diagnosis."""
+    def finish_step(self, ctx: Any, group: Any, log: Any, console: Any, carry: Carry | None = None) -> None:
+        """Close the step; on a reporting step, log this rank's breakdown and (rank 0) the diagnosis, from
+        every rank's figures: gathered now on `group`, or summed where `carry` takes them (the next step's
+        control all-reduce: ControlPlane.carry), each rank's in its own slot."""
         now = time.perf_counter()
         self.steps_in_window += 1
         self.rate_window = [*self.rate_window[-20:], now]
@@ -113,22 +119,34 @@ class StepTimer:
             comm_share=round(comm / step_s, 4),
             peak_memory_mb=round(peak_memory_mb(self.device), 1),
         )
-        self._diagnose(ctx, group, figures, log, console)
+        self._share(ctx, group, figures, log, console, carry)
         self.totals.clear()
         self.steps_in_window = 0
         self._stall = 0.0
         self.window_started = now
 
-    def _diagnose(self, ctx: Any, group: Any, figures: dict[str, float], log: Any, console: Any) -> None:
+    def _share(
+        self, ctx: Any, group: Any, figures: dict[str, float], log: Any, console: Any, carry: Carry | None
+    ) -> None:
         # busy: time this rank spent on its own work, not waiting for its peers inside the all-reduce
         busy = figures["data_s"] + figures["forward_backward_s"] + figures["optimizer_s"] - figures["comm_s"]
         mine = torch.tensor(
             [figures["step_s"], figures["data_s"], figures["comm_s"], max(busy, 0.0)], dtype=torch.float64
         )
+        step = self.step
+        if carry is not None:  # a sum of rows that are zero but for each rank's own: an all-gather
+            slots = torch.zeros(ctx.world_size, len(mine), dtype=torch.float64)
+            slots[ctx.rank if ctx.distributed else 0] = mine
+            carry(slots, lambda sums: self._diagnose(ctx, step, list(sums.view(-1, len(mine))), log, console))
+            return
         rows = [mine]
         if ctx.distributed:
             rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
             dist.all_gather(rows, mine, group=group)
+        self._diagnose(ctx, step, rows, log, console)
+
+    def _diagnose(self, ctx: Any, step: int, rows: list[torch.Tensor], log: Any, console: Any) -> None:
+        """Rank 0 names what bounds the run from every rank's (step_s, data_s, comm_s, busy_s) at `step`."""
         if not ctx.is_main:
             return
         step_s = statistics.median(float(r[0]) for r in rows)
@@ -158,11 +176,11 @@ class StepTimer:
                         "median rank"
                     )
         for finding in findings:
-            log.warning("diagnosis", step=self.step, finding=finding)
+            log.warning("diagnosis", step=step, finding=finding)
             kind = finding.split(":")[0]
             if console is not None and kind not in self._shown:  # the console hears of each once
                 self._shown.add(kind)
-                console.line(f"diagnosis at step {self.step}: {finding}")
+                console.line(f"diagnosis at step {step}: {finding}")
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -40,7 +40,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 def _add_static(_logger: Any, _method: str, event_dict: EventDict) -> EventDict:
     for key, value in _STATIC.items():
         event_dict.setdefault(key, value)
-    event_dict["ts"] = round(time.time(), 6)
+    event_dict.setdefault("ts", round(time.time(), 6))  # a line written late may carry when it happened
     return event_dict
 
 

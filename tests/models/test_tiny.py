@@ -31,6 +31,15 @@ def test_the_tiny_size_takes_its_vocabulary_from_its_tokenizer(tmp_path: Path) -
     assert config["vocab_size"] == len(vocabulary) and config["hidden_size"] == 32
 
 
+def test_the_small_size_is_a_four_layer_bert_of_hidden_128(tmp_path: Path) -> None:
+    directory = tmp_path / "m"
+    assert tiny.main([str(directory), "--size", "small"]) == 0
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (4, 128, 4)
+    model = BertForQuestionAnswering.from_pretrained(directory)
+    assert sum(p.numel() for p in model.parameters()) == 938_242
+
+
 def test_an_unknown_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="size 'large'"):
         tiny.create(tmp_path, size="large")

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from elastic_qa import dist as dist_module
 from elastic_qa.dist import CommTimer, DistContext
+from elastic_qa.elastic.control import ControlPlane, gloo_all_reduce
 from elastic_qa.observe import breakdown as breakdown_module
 from elastic_qa.observe.breakdown import StepTimer
 
@@ -80,8 +81,11 @@ def run_step(
     optimizer: float = 0.0,
     other: float = 0.0,
     console: Recorder | None = None,
+    plane: ControlPlane | None = None,
 ) -> None:
-    """One step the way the trainer marks it; `comm` seconds of all-reduce overlap the end of backward."""
+    """One step the way the trainer marks it; `comm` seconds of all-reduce overlap the end of backward.
+    With `plane`, the ranks' figures ride on the control all-reduce, as in training."""
+    agreement = plane.start(step, False, False, None) if plane else None
     timer.start_step(step)
     clock.advance(data)
     timer.mark("data")
@@ -91,11 +95,14 @@ def run_step(
         clock.advance(comm)
         timer.comm.finished()
     timer.mark("forward_backward")
+    if plane:
+        plane.finish(step, agreement)
+        plane.deliver()
     clock.advance(optimizer)
     timer.mark("optimizer")
     timer.mark("log_and_save")
     clock.advance(other)
-    timer.finish_step(ctx, None, log, console)
+    timer.finish_step(ctx, None, log, console, plane.carry if plane else None)
 
 
 def single() -> DistContext:
@@ -210,23 +217,31 @@ def test_the_console_hears_once_of_a_finding_that_went_away_and_came_back(monkey
     assert "raise data.num_workers" in console.lines[0]
 
 
-def _straggler_rank(rank: int, world: int, store_path: str, out: str) -> None:
-    """One rank of a real gloo group: rank 1 computes three times as long as rank 0 for three windows."""
+def _straggler_rank(rank: int, world: int, store_path: str, out: str, carried: bool) -> None:
+    """One rank of a real gloo group: rank 1 computes three times as long as rank 0 for three windows.
+    `carried`: the figures ride on the control all-reduce (every step a control step, as at period 0)."""
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         clock = use_clock()
         timer, log, console = StepTimer(CPU, 1, CommTimer()), Recorder(), Recorder()
         ctx = DistContext(rank, world, rank, CPU, "gloo", world)
+        plane = ControlPlane(rank == 0, 0.0, gloo_all_reduce(dist.group.WORLD)) if carried else None
         for step in range(1, 4):
-            run_step(timer, clock, step, ctx, log, compute=0.3 if rank == 1 else 0.1, console=console)
+            compute = 0.3 if rank == 1 else 0.1
+            run_step(timer, clock, step, ctx, log, compute=compute, console=console, plane=plane)
             log.info("window_done", step=step)
+        if plane:
+            plane.flush()  # the last window's figures, as the trainer does at the end
         Path(out, f"rank{rank}.json").write_text(json.dumps({"events": log.events, "lines": console.lines}))
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggler(tmp_path: Path) -> None:
-    mp.spawn(_straggler_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("carried", [False, True], ids=["gathered", "carried-on-the-control-all-reduce"])
+def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggler(
+    tmp_path: Path, carried: bool
+) -> None:
+    mp.spawn(_straggler_rank, args=(2, str(tmp_path / "store"), str(tmp_path), carried), nprocs=2, join=True)
 
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
