@@ -29,6 +29,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/bench
     checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
+    goodput      effective training time under a steady failure rate: product, bare torchrun, torchft
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
     probe        start-up cost of the loss-invariance probe (time, peak memory) for transformers models
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
@@ -50,6 +51,7 @@ BENCHMARKS = (
     "checkpoint",
     "resume",
     "recovery",
+    "goodput",
     "scaling",
     "probe",
     "drift",
