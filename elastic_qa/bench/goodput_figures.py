@@ -11,8 +11,8 @@ were injected. From those:
   by the share of the global batch it trained (1 for the product and the bare floor; participants / 2 for
   torchft, whose step with one live replica trains half the batch).
 - clean step time: the median interval between step n-1 and step n of the same group, leaving out the
-  first WARMUP_STEPS steps of every group (a restarted process warming up) and any interval that contains a
-  fault.
+  first WARMUP_STEPS steps of every group (a restarted process warming up), any interval that contains a
+  fault, and steps that trained less than the full global batch (torchft with one live replica).
 - effective training time: committed steps x clean step time / wall time, the fraction of the wall time
   that did useful work at the clean pace.
 - per fault: lost steps (sides that restore: a group that starts after the fault at step s discards what an
@@ -70,7 +70,7 @@ def clean_step_time(steps: Sequence[Step], faults: Sequence[float]) -> float | N
     for rows in by_group.values():
         for index in range(WARMUP_STEPS + 1, len(rows)):
             before, after = rows[index - 1], rows[index]
-            if after.step != before.step + 1:
+            if after.step != before.step + 1 or after.weight < 1.0:
                 continue
             if any(before.ts <= fault <= after.ts for fault in faults):
                 continue

@@ -28,6 +28,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -181,6 +182,21 @@ def train(replica: int, lighthouse: str, config: str, overrides: list[str]) -> i
     return 0
 
 
+def _ms(delta: timedelta) -> int:
+    return int(delta.total_seconds() * 1000)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def quiet_env() -> dict[str, str]:
+    """torchft's Rust side logs every quorum at INFO: warnings only (it costs CPU on a small host)."""
+    return python_env({**os.environ, "RUST_LOG": "warn"})
+
+
 # ---- the bench's side -----------------------------------------------------------------------------------
 class TorchftSide:
     """Runs the Lighthouse and two replica processes, restarts a replica whose process ended, kills one for
@@ -198,20 +214,13 @@ class TorchftSide:
         self.restarts: list[dict[str, Any]] = []
         self.stopping = threading.Event()
         self.lock = threading.Lock()
-        self.lighthouse: Any = None
+        self.lighthouse: subprocess.Popen | None = None
+        self.lighthouse_address = ""
         self.monitor: threading.Thread | None = None
 
     def start(self) -> None:
-        from torchft.coordination import LighthouseServer
-
         (self.run_dir / "torchft").mkdir(parents=True, exist_ok=True)
-        self.lighthouse = LighthouseServer(
-            bind="[::]:0",
-            min_replicas=1,
-            join_timeout_ms=int(JOIN_TIMEOUT.total_seconds() * 1000),
-            quorum_tick_ms=int(QUORUM_TICK.total_seconds() * 1000),
-            heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT.total_seconds() * 1000),
-        )
+        self.lighthouse_address = self._start_lighthouse()
         started = threading.Event()
         # Replicas are started by the monitor thread: tied to the thread that starts them, they must not
         # outlive it, and it lives until stop().
@@ -219,14 +228,41 @@ class TorchftSide:
         self.monitor.start()
         started.wait(60)
 
+    def _start_lighthouse(self) -> str:
+        """torchft's own `torchft_lighthouse` server in a process of its own (its log in a file, not on the
+        bench's output); its address once it listens."""
+        port = free_port()
+        command = [
+            str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"127.0.0.1:{port}",
+            "--min_replicas", "1", "--join_timeout_ms", str(_ms(JOIN_TIMEOUT)),
+            "--quorum_tick_ms", str(_ms(QUORUM_TICK)), "--heartbeat_timeout_ms", str(_ms(HEARTBEAT_TIMEOUT)),
+        ]  # fmt: skip
+        with open(self.run_dir / "torchft" / "lighthouse.log", "ab") as log:
+            self.lighthouse = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=quiet_env(),
+                preexec_fn=tied_to_this_process(),
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.lighthouse.poll() is not None:
+                raise RuntimeError(f"torchft_lighthouse exited {self.lighthouse.returncode}: see {log.name}")
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    return f"http://127.0.0.1:{port}"
+            time.sleep(0.05)
+        raise RuntimeError("torchft_lighthouse did not listen within 30 s")
+
     def _launch(self, replica: int) -> None:
         log = open(self.run_dir / "torchft" / f"replica-{replica}.log", "ab")  # noqa: SIM115 - the child's
         command = [
             sys.executable, "-m", "elastic_qa.bench.torchft_side", "--replica", str(replica),
-            "--lighthouse", self.lighthouse.address(), "--config", self.config, *self.overrides,
+            "--lighthouse", self.lighthouse_address, "--config", self.config, *self.overrides,
         ]  # fmt: skip
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=python_env(), preexec_fn=tied_to_this_process()
+            command, stdout=log, stderr=subprocess.STDOUT, env=quiet_env(), preexec_fn=tied_to_this_process()
         )
         log.close()
         with self.lock:
@@ -273,9 +309,9 @@ class TorchftSide:
         self.stopping.set()
         if self.monitor is not None:
             self.monitor.join(timeout=60)
-        if self.lighthouse is not None:
-            self.lighthouse.shutdown()
-            self.lighthouse = None
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
         self.steps()
 
     def lost(self, steps: list[Step], faults: list[float]) -> list[int]:
