@@ -173,6 +173,7 @@ class LauncherSide:
         if kind in NODE_KINDS and any(alive(pid) for pid in self.doomed):
             raise NoTarget("the previous node fault's agent is still shutting down")
         outcome, _ = self.injector.inject(Fault(kind=kind, at_time=0.0))
+        self.log({"fault": kind, **outcome})
         if kind in NODE_KINDS:
             match = re.search(r"\(pid (\d+)\)", outcome["target"])
             if match:
@@ -328,7 +329,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     try:
         if args.parallel:
-            threads = [threading.Thread(target=one, args=(name,), name=f"goodput-{name}") for name in names]
+            # Daemons: after Ctrl-C or SIGTERM the sides are stopped below and the process may exit.
+            threads = [
+                threading.Thread(target=one, args=(name,), name=f"goodput-{name}", daemon=True)
+                for name in names
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:
