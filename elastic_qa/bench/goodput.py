@@ -50,6 +50,7 @@ from elastic_qa.bench.common import (
     new_parser,
     positive_int,
     print_table,
+    write_json,
 )
 from elastic_qa.bench.goodput_figures import Step, side_figures
 from elastic_qa.bench.runs import bench_config
@@ -367,6 +368,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     ledger = results.get("product", {}).get("ledger")
     if ledger is not None and not ledger["ok"]:
+        if args.json:  # the figures and the problems stay on record
+            write_json(args.json, result)
         raise BenchError(f"product: the exactly-once check of the sample ledger failed: {ledger['problems']}")
     return result
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from elastic_qa.bench.cli import main
-from elastic_qa.bench.goodput import KINDS, NODE_KINDS, draw_plan
+from elastic_qa.bench.goodput import KINDS, NODE_KINDS, LauncherSide, draw_plan
 from elastic_qa.bench.goodput_figures import Step, side_figures
 
 
@@ -110,6 +110,17 @@ def test_a_short_goodput_run_of_product_and_bare(tmp_path: Path, cache_dir: Path
     assert product["ledger"]["steps_checked"] >= product["committed_steps"]
     assert bare["lost_steps"]["max"] == 0  # the bare worker has nothing to lose
     assert set(result["ratios"]) == {"product/bare"}
+    # The check is the chaos ledger check, and it can fail: a sample trained twice in one step.
+    run_dir = tmp_path / "work" / "product"
+    side = LauncherSide("product", run_dir, "tiny", [f"data.cache_dir={cache_dir}"], seed=0)
+    steps = [Step(0.0, 1, "a"), Step(1.0, product["ledger"]["steps_checked"], "a")]
+    files = sorted((run_dir / "ledger").glob("attempt-*.rank-000.jsonl"))
+    ledger = [path for path in files if path.read_text().strip()][-1]  # the final lineage's attempt
+    line = json.loads(ledger.read_text().splitlines()[0])
+    line["samples"] = [line["samples"][0]] * len(line["samples"])
+    with open(ledger, "a") as out:  # a newer line for the same attempt and step
+        out.write(json.dumps(line) + "\n")
+    assert not side.report(steps, [])["ledger"]["ok"]
     # No fault ever hit the store host's agent; every node fault was followed by a replacement.
     for side in ("product", "bare"):
         launch = json.loads((tmp_path / "work" / side / "launch.json").read_text())
