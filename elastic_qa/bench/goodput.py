@@ -134,8 +134,7 @@ class LauncherSide:
         self.job = Job(run_dir, config, [*overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
         self.follower = LogFollower(run_dir / "logs")
         self.rows: list[Step] = []
-        self.bare_pids: dict[int, int] = {}  # bare: process -> its steps so far (renumbered into a lineage)
-        self.bare_step = 0
+        self.bare_rows: list[tuple[float, str]] = []  # (ts, process) of every bare step
         self.doomed: list[int] = []  # agents a node fault signalled
         self.replacements: list[threading.Thread] = []
         self.stopping = threading.Event()
@@ -165,10 +164,14 @@ class LauncherSide:
                 continue
             if self.name == "product":
                 self.rows.append(Step(row["ts"], int(row["step"]), f"attempt-{row.get('attempt', 0)}"))
-            else:  # every step of the bare worker is committed: one lineage across its processes
-                self.bare_step += 1
-                self.rows.append(Step(row["ts"], self.bare_step, f"pid-{row['pid']}"))
-        return self.rows
+            else:
+                self.bare_rows.append((row["ts"], f"pid-{row['pid']}"))
+        if self.name == "product":
+            return self.rows
+        # Every step of the bare worker is committed: one lineage across its processes, in time order (the
+        # follower may read a new process's lines before the last lines of the one it replaced).
+        self.bare_rows.sort()
+        return [Step(ts, number, group) for number, (ts, group) in enumerate(self.bare_rows, start=1)]
 
     def inject(self, kind: str) -> dict[str, Any]:
         if kind in NODE_KINDS and any(alive(pid) for pid in self.doomed):

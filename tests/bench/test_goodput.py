@@ -6,9 +6,13 @@ and passed, and that no fault ever targeted the store host's agent.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,8 @@ import pytest
 from elastic_qa.bench.cli import main
 from elastic_qa.bench.goodput import KINDS, NODE_KINDS, LauncherSide, draw_plan
 from elastic_qa.bench.goodput_figures import Step, side_figures
+from elastic_qa.launcher.processes import python_env
+from tests.bench.test_interrupted import processes_of, wait_until
 
 
 # ---- the draw -----------------------------------------------------------------------------------------
@@ -157,3 +163,40 @@ def test_a_tiny_torchft_run_with_one_fault(tmp_path: Path, cache_dir: Path) -> N
     samples = figures["samples"]
     assert samples["trained"] > 0 and samples["repeated"] >= 0 and samples["skipped"] >= 0
     assert figures["torchft_settings"]["heartbeat_timeout_s"] > 0
+
+
+@pytest.mark.integration
+def test_a_parallel_run_stopped_by_sigterm_leaves_no_process_of_any_side(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    work = tmp_path / "work"
+    sides = "product,bare,torchft" if importlib.util.find_spec("torchft") else "product,bare"
+    bench = subprocess.Popen(
+        [
+            sys.executable, "-m", "elastic_qa.cli", "bench", "goodput", "--parallel", "--mtbf", "1000s",
+            "--faults", "1", "--sides", sides, "--work-dir", str(work), f"data.cache_dir={cache_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=python_env(),
+    )  # fmt: skip
+    try:
+        # Each side has trained: the launcher's sides log steps, torchft's replicas too.
+        def trained(side: str) -> bool:
+            return any("step" in path.read_text() for path in (work / side / "logs").glob("*.jsonl"))
+
+        wait_until(
+            lambda: bench.poll() is not None or all(trained(side) for side in sides.split(",")),
+            timeout=240,
+            what="every side trained a step",
+        )
+        assert bench.poll() is None, bench.communicate()[0].decode()[-2000:]
+        bench.send_signal(signal.SIGTERM)
+        output = bench.communicate(timeout=120)[0].decode()
+        assert bench.returncode == 128 + signal.SIGTERM, output[-2000:]
+        wait_until(lambda: not processes_of(work), timeout=90, what="processes of the sides remain")
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in processes_of(work):
+            os.kill(pid, signal.SIGKILL)
