@@ -135,6 +135,8 @@ class LauncherSide:
         self.follower = LogFollower(run_dir / "logs")
         self.rows: list[Step] = []
         self.bare_rows: list[tuple[float, str]] = []  # (ts, process) of every bare step
+        self.world: dict[str, int] = {}  # group -> its world size
+        self.last_fault = 0.0
         self.doomed: list[int] = []  # agents a node fault signalled
         self.replacements: list[threading.Thread] = []
         self.stopping = threading.Event()
@@ -162,10 +164,12 @@ class LauncherSide:
         for row in self.follower.new_events():
             if row.get("event") != "step" or row.get("rank") != 0 or "ts" not in row:
                 continue
+            group = f"attempt-{row.get('attempt', 0)}" if self.name == "product" else f"pid-{row['pid']}"
+            self.world[group] = int(row.get("world_size") or 0)
             if self.name == "product":
-                self.rows.append(Step(row["ts"], int(row["step"]), f"attempt-{row.get('attempt', 0)}"))
+                self.rows.append(Step(row["ts"], int(row["step"]), group))
             else:
-                self.bare_rows.append((row["ts"], f"pid-{row['pid']}"))
+                self.bare_rows.append((row["ts"], group))
         if self.name == "product":
             return self.rows
         # Every step of the bare worker is committed: one lineage across its processes, in time order (the
@@ -174,9 +178,18 @@ class LauncherSide:
         return [Step(ts, number, group) for number, (ts, group) in enumerate(self.bare_rows, start=1)]
 
     def inject(self, kind: str) -> dict[str, Any]:
-        if kind in NODE_KINDS and any(alive(pid) for pid in self.doomed):
-            raise NoTarget("the previous node fault's agent is still shutting down")
+        assert self.job.process is not None  # started
+        if self.job.process.poll() is not None:
+            raise BenchError(
+                f"{self.name}: the job ended (launcher exit {self.job.process.returncode}); see "
+                f"{self.run_dir / 'chaos' / 'launcher.log'} and {self.run_dir / 'agents'}"
+            )
+        if kind in NODE_KINDS and not self.regrouped():
+            # An agent lost between a rendezvous and the publication of its ranks makes torch's store-host
+            # agent give up after 60 s (DistStoreError in _assign_worker_ranks): the whole job ends.
+            raise NoTarget("the job is not yet back at 2 nodes and training since the previous fault")
         outcome, _ = self.injector.inject(Fault(kind=kind, at_time=0.0))
+        self.last_fault = time.time()
         self.log({"fault": kind, **outcome})
         if kind in NODE_KINDS:
             match = re.search(r"\(pid (\d+)\)", outcome["target"])
@@ -187,6 +200,15 @@ class LauncherSide:
                 thread.start()
                 self.replacements.append(thread)
         return outcome
+
+    def regrouped(self) -> bool:
+        """The newest group has 2 nodes and started training after the previous fault (the replacement of
+        a lost node has been admitted, no rendezvous is under way)."""
+        starts = group_starts(self.steps())
+        if not starts or any(alive(pid) for pid in self.doomed):
+            return False
+        newest = max(starts, key=lambda group: starts[group])
+        return starts[newest] > self.last_fault and self.world.get(newest) == 2
 
     def _replace(self, victim: int) -> None:
         """Once the signalled agent is gone, a new agent joins (the scheduler's replacement node)."""
@@ -243,14 +265,14 @@ def sleep_until(wall: float) -> None:
 
 def fire(side: Side, kind: str, due: float, timeout: float) -> dict[str, Any]:
     """Inject `kind` now, retrying while there is nothing to hit; the record says when it landed."""
-    first_miss = None
+    first_miss, trying_since = None, time.time()  # `due` may be long past: the previous fault fired late
     while True:
         try:
             outcome = side.inject(kind)
             break
         except NoTarget as err:
             first_miss = first_miss or str(err)
-            if time.time() - due > timeout:
+            if time.time() - trying_since > timeout:
                 return {"fault": kind, "due": due, "skipped": f"no target for {timeout:.0f} s: {err}"}
             time.sleep(RETRY_EVERY_S)
     landed = time.time()
@@ -349,8 +371,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         for side in sides.values():
             side.stop()
-    if errors:
-        raise BenchError("; ".join(f"{name}: {err}" for name, err in errors.items()))
     print_summary(results, skipped)
     result = {
         "benchmark": "goodput",
@@ -368,12 +388,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "sides": results,
         "skipped": skipped,
         "ratios": ratios(results),
+        "failed": {name: str(err) for name, err in errors.items()},
     }
+    failures = [f"{name}: {err}" for name, err in errors.items()]
     ledger = results.get("product", {}).get("ledger")
     if ledger is not None and not ledger["ok"]:
-        if args.json:  # the figures and the problems stay on record
+        failures.append(f"product: the exactly-once check of the sample ledger failed: {ledger['problems']}")
+    if failures:
+        if args.json:  # what was measured, and why it failed, stays on record
             write_json(args.json, result)
-        raise BenchError(f"product: the exactly-once check of the sample ledger failed: {ledger['problems']}")
+        raise BenchError("; ".join(failures))
     return result
 
 

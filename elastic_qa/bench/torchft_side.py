@@ -315,12 +315,26 @@ class TorchftSide:
         self.steps()
 
     def lost(self, steps: list[Step], faults: list[float]) -> list[int]:
-        """torchft restores nothing: a step is lost when it was not committed (should_commit said no)."""
+        """Per fault: the steps a replica did not commit (should_commit said no), and, when a restarted
+        replica found no live peer to heal from (it starts again from its initial state, step 1: torchft
+        keeps no checkpoint here), every step the job had reached. A replica that healed loses nothing."""
         lost = [0] * len(faults)
+
+        def charge(ts: float, count: int) -> None:
+            earlier = [i for i, fault in enumerate(faults) if fault < ts]
+            if earlier:
+                lost[earlier[-1]] += count
+
         for row in self.events:
-            earlier = [i for i, fault in enumerate(faults) if fault < row["ts"]]
-            if not row["committed"] and earlier:
-                lost[earlier[-1]] += 1
+            if not row["committed"]:
+                charge(row["ts"], 1)
+        firsts: dict[str, Step] = {}
+        for step in sorted(steps, key=lambda r: r.ts):
+            firsts.setdefault(step.group, step)
+        for first in firsts.values():
+            reached = max((r.step for r in steps if r.ts < first.ts and r.group != first.group), default=0)
+            if first.step < reached:
+                charge(first.ts, reached - first.step + 1)
         return lost
 
     def report(self, steps: list[Step], faults: list[float]) -> dict[str, Any]:
