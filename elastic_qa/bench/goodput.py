@@ -128,8 +128,10 @@ class Side(Protocol):
 class LauncherSide:
     """The product or the bare floor: two agents through the local launcher, faults by the chaos injector."""
 
-    def __init__(self, name: str, run_dir: Path, config: str, overrides: list[str], seed: int) -> None:
-        self.name, self.run_dir = name, run_dir
+    def __init__(
+        self, name: str, run_dir: Path, config: str, overrides: list[str], seed: int, timeout: float = 60
+    ) -> None:
+        self.name, self.run_dir, self.timeout = name, run_dir, timeout
         extra = list(PRODUCT) if name == "product" else ["--module", TRIVIAL]  # --module goes last
         self.job = Job(run_dir, config, [*overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
         self.follower = LogFollower(run_dir / "logs")
@@ -158,7 +160,7 @@ class LauncherSide:
             out.write(json.dumps({**record, "ts": record.get("ts", time.time())}) + "\n")
 
     def start(self) -> None:
-        self.job.start()
+        self.job.start(self.timeout)
 
     def steps(self) -> list[Step]:
         for row in self.follower.new_events():
@@ -246,8 +248,8 @@ def make_side(name: str, run_dir: Path, args: argparse.Namespace) -> Side:
     if name == "torchft":
         from elastic_qa.bench.torchft_side import TorchftSide
 
-        return TorchftSide(run_dir, args.config, args.overrides, args.seed)
-    return LauncherSide(name, run_dir, args.config, args.overrides, args.seed)
+        return TorchftSide(run_dir, args.config, args.overrides, args.seed, args.timeout)
+    return LauncherSide(name, run_dir, args.config, args.overrides, args.seed, args.timeout)
 
 
 # ---- running one side -----------------------------------------------------------------------------------

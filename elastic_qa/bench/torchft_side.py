@@ -204,8 +204,10 @@ class TorchftSide:
 
     name = "torchft"
 
-    def __init__(self, run_dir: Path, config: str, overrides: list[str], seed: int) -> None:
-        self.run_dir, self.config = run_dir, config
+    def __init__(
+        self, run_dir: Path, config: str, overrides: list[str], seed: int, timeout: float = 60
+    ) -> None:
+        self.run_dir, self.config, self.timeout = run_dir, config, timeout
         self.overrides = [*overrides, f"run.dir={run_dir}"]
         self.rng = random.Random(seed)
         self.follower = LogFollower(run_dir / "logs")
@@ -226,7 +228,7 @@ class TorchftSide:
         # outlive it, and it lives until stop().
         self.monitor = threading.Thread(target=self._watch, args=(started,), name="torchft-replicas")
         self.monitor.start()
-        started.wait(60)
+        started.wait(self.timeout)
 
     def _start_lighthouse(self) -> str:
         """torchft's own `torchft_lighthouse` server in a process of its own (its log in a file, not on the
@@ -245,7 +247,7 @@ class TorchftSide:
                 env=quiet_env(),
                 preexec_fn=tied_to_this_process(),
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.lighthouse.poll() is not None:
                 raise RuntimeError(f"torchft_lighthouse exited {self.lighthouse.returncode}: see {log.name}")
@@ -253,7 +255,7 @@ class TorchftSide:
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     return f"http://127.0.0.1:{port}"
             time.sleep(0.05)
-        raise RuntimeError("torchft_lighthouse did not listen within 30 s")
+        raise RuntimeError(f"torchft_lighthouse did not listen within {self.timeout:.0f} s")
 
     def _launch(self, replica: int) -> None:
         log = open(self.run_dir / "torchft" / f"replica-{replica}.log", "ab")  # noqa: SIM115 - the child's
