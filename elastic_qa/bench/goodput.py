@@ -5,12 +5,13 @@
 
 Fault times are drawn up front from --seed: exponential gaps of mean --mtbf, counted from each side's first
 completed step, then one more gap marks the end of the run (so the run is N faults of a Poisson process,
-not N faults and a long clean tail). Every side gets the same times and kinds. A fault fires at its time
-whatever the job is doing: one that falls while the job is still recovering from the previous one fires
-all the same (a steady rate does not wait), and its time without a step is the stall it shares with the
-previous fault. It only waits when it has no target at all (no worker alive mid-regroup; a node fault
-while the previous node fault's agent is still shutting down, which would hit that agent twice): then it is
-retried every 0.2 s and fires late, its delay recorded. After the end time the bench waits until a group
+not N faults and a long clean tail). Every side gets the same times and kinds. A kill-worker fires at
+its time whatever the job is doing: one that falls while the job is still recovering from the previous
+fault fires all the same (a steady rate does not wait) and shares its stall; it waits only while no worker
+is alive at all (mid-regroup), retried every 0.2 s. A node fault on the launcher sides waits until the job
+is back at 2 nodes and has trained since the previous fault: an agent lost between a rendezvous and the
+publication of its ranks makes torch's store-host agent give up (DistStoreError after 60 s) and ends the
+whole job. Each fault's delay is recorded (`late_s`). After the end time the bench waits until a group
 started after the last fault has trained, then stops the job.
 
 Sides (one after another, or at the same time with --parallel):
