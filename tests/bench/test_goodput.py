@@ -94,10 +94,14 @@ def run_bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def sane(figures: dict[str, Any], faults: int) -> None:
+def sane(figures: dict[str, Any], faults: int, paced: bool = True) -> None:
+    """`paced`: the run had clean full-batch steps (a torchft replica restarted on a loaded host may
+    spend the whole short run starting, leaving only half-batch steps: no clean pace, no effective time)."""
     assert figures["faults_injected"] == faults
-    assert figures["wall_s"] > 0 and figures["committed_steps"] > 0 and figures["clean_step_s"] > 0
-    assert 0 < figures["effective"] <= 1.0
+    assert figures["wall_s"] > 0 and figures["committed_steps"] > 0
+    if paced or figures["clean_step_s"] is not None:
+        assert figures["clean_step_s"] > 0
+        assert 0 < figures["effective"] <= 1.0
     assert len(figures["lost_steps"]["per_fault"]) == faults
     assert len(figures["no_step_s"]["per_fault"]) == faults
     assert all(gap is None or gap > 0 for gap in figures["no_step_s"]["per_fault"])
@@ -150,7 +154,9 @@ def test_the_torchft_side_is_skipped_with_its_reason_when_torchft_is_absent(
     assert "torchft side skipped: torchft is not importable" in capsys.readouterr().out
 
 
+# A minute alone, several on a loaded 2-core host (a restarted replica imports torch and torchft): long.
 @pytest.mark.integration
+@pytest.mark.long
 def test_a_tiny_torchft_run_with_one_fault(tmp_path: Path, cache_dir: Path) -> None:
     pytest.importorskip("torchft")
     result = run_bench(
@@ -158,7 +164,7 @@ def test_a_tiny_torchft_run_with_one_fault(tmp_path: Path, cache_dir: Path) -> N
         f"data.cache_dir={cache_dir}",
     )  # fmt: skip
     figures = result["sides"]["torchft"]
-    sane(figures, 1)
+    sane(figures, 1, paced=False)
     assert figures["restarts"] >= 1  # the killed replica was started again
     samples = figures["samples"]
     assert samples["trained"] > 0 and samples["repeated"] >= 0 and samples["skipped"] >= 0
