@@ -53,7 +53,7 @@ from elastic_qa.bench.common import (
     print_table,
     write_json,
 )
-from elastic_qa.bench.goodput_figures import Step, side_figures
+from elastic_qa.bench.goodput_figures import Step, lost_per_fault, side_figures
 from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.evidence import check_ledger, run_config
 from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
@@ -62,6 +62,7 @@ from elastic_qa.chaos.schedule import Fault
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import LogFollower
+from elastic_qa.observe.ledger import read_ledger
 from elastic_qa.prep import prepare
 
 KINDS = ("kill-worker", "kill-node", "term-node")
@@ -232,8 +233,24 @@ class LauncherSide:
             thread.join(timeout=30)
 
     def lost(self, steps: list[Step], faults: list[float]) -> list[int] | None:
-        """The product's from its restores; the bare worker has nothing to lose."""
-        return None if self.name == "product" else [0] * len(faults)
+        """The product's from its restores, each attempt's reach read from the sample ledger: a step line is
+        written once the step's sums arrive with the next control all-reduce, so a killed group's last
+        ~0.1 s of steps have ledger lines but no step line. A step every rank of the attempt had begun
+        counts as reached (the one in flight at the kill was lost work too). The bare worker has nothing
+        to lose."""
+        if self.name != "product":
+            return [0] * len(faults)
+        ranks: dict[tuple[int, int], set[int]] = {}
+        world: dict[int, int] = {}
+        for row in read_ledger(self.run_dir):
+            ranks.setdefault((row["attempt"], row["step"]), set()).add(row["rank"])
+            world[row["attempt"]] = row["world_size"]
+        reached: dict[str, int] = {}
+        for (attempt, step), seen in ranks.items():
+            if len(seen) == world[attempt]:
+                group = f"attempt-{attempt}"
+                reached[group] = max(step, reached.get(group, step))
+        return lost_per_fault(steps, faults, reached)
 
     def report(self, steps: list[Step], faults: list[float]) -> dict[str, Any]:
         if self.name != "product":

@@ -15,8 +15,8 @@ were injected. From those:
   fault, and steps that trained less than the full global batch (torchft with one live replica).
 - effective training time: committed steps x clean step time / wall time, the fraction of the wall time
   that did useful work at the clean pace.
-- per fault: lost steps (sides that restore: a group that starts after the fault at step s discards what an
-  earlier group had completed past s - 1; sides without a restore pass theirs in) and time without a step:
+- per fault: lost steps (sides that restore: a group that starts after the fault at step s discards what the
+  group before it had reached past s - 1; sides without a restore pass theirs in) and time without a step:
   the longest interval between two consecutive steps (of any group) that ends after this fault and starts
   before the next fault (or the end). A fault that falls inside the previous fault's stall shares that
   interval with it.
@@ -78,19 +78,28 @@ def clean_step_time(steps: Sequence[Step], faults: Sequence[float]) -> float | N
     return statistics.median(intervals) if intervals else None
 
 
-def lost_per_fault(steps: Sequence[Step], faults: Sequence[float]) -> list[int]:
+def lost_per_fault(
+    steps: Sequence[Step], faults: Sequence[float], reached_by: dict[str, int] | None = None
+) -> list[int]:
     """Steps a restore discarded, summed per fault: each group's first step s, against the furthest step
-    completed before it (a group starting after a fault is charged to the latest fault before it)."""
+    of the group before it (the one whose last step came latest before s; a group starting after a fault
+    is charged to the latest fault before it). `reached_by`: group -> furthest step, where a better
+    record than the step lines exists (the product's sample ledger also holds steps whose line a dying
+    process never wrote)."""
     lost = [0] * len(faults)
     ordered = sorted(steps, key=lambda r: r.ts)
     first_of: dict[str, Step] = {}
+    last_of: dict[str, Step] = {}
     for row in ordered:
         first_of.setdefault(row.group, row)
+        last_of[row.group] = row
     for first in first_of.values():
-        reached = max((r.step for r in ordered if r.ts < first.ts and r.group != first.group), default=None)
+        before = [last for group, last in last_of.items() if group != first.group and last.ts < first.ts]
         earlier = [i for i, fault in enumerate(faults) if fault < first.ts]
-        if reached is None or not earlier:
+        if not before or not earlier:
             continue
+        previous = max(before, key=lambda r: r.ts)
+        reached = max(previous.step, (reached_by or {}).get(previous.group, previous.step))
         lost[earlier[-1]] += max(0, reached - (first.step - 1))
     return lost
 

@@ -299,6 +299,13 @@ class TorchftSide:
             live = [(replica, p) for replica, p in sorted(self.processes.items()) if p.poll() is None]
         if not live:
             raise NoTarget("no live replica")
+        # The rule the product's node faults follow: a fault waits until the job is whole again (both
+        # replica processes alive and each has committed a step), so that no fault ever leaves the job
+        # without a live replica to heal from (torchft keeps no checkpoint here: that would lose all).
+        trained = {step.group for step in self.steps()}
+        healing = [replica for replica, process in live if f"pid-{process.pid}" not in trained]
+        if len(live) < REPLICAS or healing:
+            raise NoTarget("a replica is still restarting or healing from the previous fault")
         replica, process = self.rng.choice(live)
         sig = signal.SIGTERM if kind == "term-node" else signal.SIGKILL
         try:

@@ -21,7 +21,7 @@ import pytest
 
 from elastic_qa.bench.cli import main
 from elastic_qa.bench.goodput import KINDS, NODE_KINDS, LauncherSide, draw_plan
-from elastic_qa.bench.goodput_figures import Step, side_figures
+from elastic_qa.bench.goodput_figures import Step, lost_per_fault, side_figures
 from elastic_qa.launcher.processes import python_env
 from tests.bench.test_interrupted import processes_of, wait_until
 
@@ -70,6 +70,20 @@ def test_a_fault_inside_the_previous_stall_shares_it_and_takes_its_restart() -> 
     figures = side_figures(steps, [9.5, 12.0])
     assert figures["no_step_s"]["per_fault"] == [6.0, 6.0]
     assert figures["lost_steps"]["per_fault"] == [0, 1]  # the restart came after the second fault
+
+
+def test_lost_steps_are_counted_once_against_the_group_just_before() -> None:
+    # a1 reaches 100, a2 resumes from 90 and reaches 95, a3 resumes from 90 again: a2 lost 10 (91..100),
+    # a3 lost 5 (91..95), not 10 again for a1's steps that a2 already paid for.
+    steps = lineage("a1", 1, 100, 0.0) + lineage("a2", 91, 95, 110.0) + lineage("a3", 91, 120, 130.0)
+    assert lost_per_fault(steps, [100.5, 115.0]) == [10, 5]
+
+
+def test_a_reach_beyond_the_step_lines_counts() -> None:
+    # a1's lines stop at step 10, but its ledger says every rank began step 13 before the kill.
+    steps = lineage("a1", 1, 10, 0.0) + lineage("a2", 10, 20, 15.0)
+    assert lost_per_fault(steps, [9.5], {"a1": 13}) == [4]
+    assert lost_per_fault(steps, [9.5], {"a2": 99}) == [1]  # only the group before a restart counts
 
 
 def test_half_batch_steps_count_half_and_set_no_clean_pace() -> None:
