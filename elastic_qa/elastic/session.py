@@ -53,6 +53,7 @@ from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext, all_gather_bytes, decide_on_rank0
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
+from elastic_qa.observe.startup import STARTUP
 from elastic_qa.run_length import end_step, length_text
 from elastic_qa.train_state import ResumeError, TrainState, gather_rng_states
 
@@ -140,8 +141,10 @@ class CheckpointSession:
         self.run_uuid = _uuid_of(choice.run_high, choice.run_low)
         if choice.step >= 0 and loaded is None:
             loaded = self._load_chosen(choice.step, from_source=choice.from_source)
+        STARTUP.mark("restore_read")
         if loaded is not None:
             self.state.load_state_dict(loaded)
+        STARTUP.mark("restore_apply")
         self.restored = loaded
         return loaded
 
