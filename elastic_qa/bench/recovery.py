@@ -99,7 +99,7 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
     job = Job(run_dir, args.config, [*args.overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
     follower = LogFollower(run_dir / "logs")
     try:
-        job.start()
+        job.start(args.timeout)
         started = min(agent["started"] for agent in job.agents())
         job.wait_for_step(args.kill_after, args.timeout)
         wait_for_phase(started, phase, KEEP_ALIVE_INTERVAL_S)

@@ -57,7 +57,9 @@ class Job:
         self.attempt_steps: dict[int, int] = {}  # attempt -> highest step it completed
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, timeout: float = 60) -> None:
+        """Start the launcher; TimeoutError when it has started no agent within `timeout` seconds (it
+        imports torch and builds the data cache first: for a pretrained encoder on a loaded host, minutes)."""
         (self.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
         out = open(self.run_dir / "chaos" / "launcher.log", "ab")  # noqa: SIM115 - lives with the job
         self.process = subprocess.Popen(
@@ -81,12 +83,12 @@ class Job:
             env=python_env(),
             preexec_fn=tied_to_this_process(),
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while not (self.run_dir / "launch.json").exists():
             if self.process.poll() is not None:
                 raise RuntimeError(f"launcher exited with {self.process.returncode}: see {out.name}")
             if time.monotonic() > deadline:
-                raise TimeoutError("launcher did not start any agent within 60 s")
+                raise TimeoutError(f"launcher did not start any agent within {timeout:.0f} s")
             time.sleep(0.05)
 
     def wait(self, timeout: float) -> int:
