@@ -11,8 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.payload import TRAINER_FILE
+from elastic_qa.checkpoint.locate import newest_saved_trainer
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config
 from elastic_qa.data.features import Features
@@ -41,17 +40,10 @@ def stored_answer(cfg: Config) -> Any:
     against its sha256 and loaded with weights_only), or None: no checkpoint, none readable, or one written
     before answers travelled. Reads only."""
     try:
-        store = open_store(cfg.checkpoint_dir)
-        steps = store.list_steps()
+        saved = newest_saved_trainer(cfg.checkpoint_dir)
     except (CheckpointError, OSError, ValueError):
         return None
-    for info in reversed(steps):
-        try:
-            trainer = store.load_file(info.path, store.read_manifest(info.path), TRAINER_FILE)
-        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
-            continue  # the restore rejects it with the reason; an older one may answer
-        return trainer.get(ANSWER_KEY) if isinstance(trainer, dict) else None
-    return None
+    return saved[1].get(ANSWER_KEY) if saved else None
 
 
 def known_frozen(answer: Any, identity: str, names: list[str]) -> list[str] | None:
