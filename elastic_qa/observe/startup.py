@@ -4,8 +4,9 @@ The worker marks the end of each phase as it goes (`STARTUP.mark("restore")`); t
 as one `startup` event once its first step is done:
 
     interpreter     process birth (fork by the torchrun agent) to the first line of elastic_qa.train: the
-                    Python interpreter and the package root
-    imports         elastic_qa.train's imports (torch among them)
+                    Python interpreter, the package root and whatever runs the module (under the local
+                    launcher, elastic_qa.launcher.loopback, which imports torch.distributed: most of it)
+    imports         elastic_qa.train's imports (torch among them, unless imported already)
     config          arguments, config, logging
     cache_open      the prepared feature cache (prep.prepare)
     process_group   init_process_group, the threads, the control groups
