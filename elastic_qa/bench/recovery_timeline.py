@@ -8,8 +8,10 @@ seconds after the kill:
     noticed      a survivor's collective failed (its `emergency_checkpoint` line)
     saved        the survivor's emergency save is done and it leaves (`peer_failure`)
     born         the new rank 0 process is created: the agents noticed, the rendezvous round ran, the
-                 agent spawned it (the birth its `startup` event gives; a worker that logs none, e.g. one of
-                 a version before the event, is dated by its first log line, after its imports)
+                 agent spawned it (the birth its `startup` event gives; absent for a version without it)
+    probed       the new rank 0's freeze is decided (`frozen_parameters`: probed, or taken from the
+                 checkpoint)
+    started      it restored and registered (`worker_start`)
     then the new rank 0's start-up phases (observe/startup.py), grouped:
         imports         interpreter and imports
         config_cache    config, logging, feature cache (for an hf model: transformers and the tokenizer)
@@ -45,7 +47,7 @@ GROUPS = {
     "restore": ("restore_read_s", "restore_apply_s", "register_s"),
     "first_step": ("first_step_s",),
 }
-MILESTONES = ("noticed", "saved", "born")
+MILESTONES = ("noticed", "saved", "born", "probed", "started")
 COLUMNS = (*MILESTONES, *GROUPS, "first_step_at")
 
 
@@ -59,7 +61,7 @@ def timeline(run_dir: Path) -> dict[str, float] | None:
     old = {row.get("pid") for row in events if row.get("ts", 0) < killed}
     steps = [row for row in events if row["event"] == "step" and row.get("ts", 0) >= killed]
     new_steps = [row for row in steps if row.get("pid") not in old]
-    if not new_steps or not any(row["event"] == "worker_start" for row in events):
+    if not new_steps or not any(row["event"] == "train_start" for row in events):
         return None  # the bare floor's trivial worker, or a kill the group never recovered from
     first = min(new_steps, key=lambda row: row["ts"])
     figures: dict[str, float] = {"first_step_at": first["ts"] - killed}
@@ -69,9 +71,12 @@ def timeline(run_dir: Path) -> dict[str, float] | None:
         if rows:
             figures[name] = rows[0]["ts"] - killed
     mine = [row for row in after if row.get("pid") == first.get("pid")]
+    for name, event in (("probed", "frozen_parameters"), ("started", "worker_start")):
+        rows = [row for row in mine if row["event"] == event]
+        if rows:
+            figures[name] = rows[0]["ts"] - killed
     startup = next((row for row in mine if row["event"] == "startup"), None)
     if startup is None:
-        figures["born"] = mine[0]["ts"] - killed  # its first line: after its imports and config
         return figures
     figures["born"] = startup["ts"] - startup["total_s"] - killed
     for group, phases in GROUPS.items():
