@@ -68,8 +68,6 @@ def write_resolved_config(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m elastic_qa.train") -> int:
-    if STARTUP.reported:  # a second run in this process (the Python API): timed from here
-        STARTUP.begin(born=time.time())
     STARTUP.mark("imports")
     dynamo_warmup()  # while the config, cache and process group come (observe/startup.py)
     args = parse_args(argv, prog)
@@ -108,6 +106,8 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     first, once logging is set up.
     """
     stop = stop or StopRequest()
+    if STARTUP.reported or "imports" not in STARTUP.phases:  # in-process (the Python API): timed from here
+        STARTUP.begin(born=time.time())
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
     try:  # before this start writes anything into the run (its logs): a live job must not see it
