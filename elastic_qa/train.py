@@ -9,10 +9,16 @@ exits 128 + the signal's number after saving (130 SIGINT, 129 SIGHUP, 143 SIGTER
 
 from __future__ import annotations
 
+# isort: off
+# First: the start-up clock's `interpreter` phase ends here, before the imports below (torch among them).
+from elastic_qa.observe.startup import STARTUP, dynamo_warmup
+
+# isort: on
 import argparse
 import errno
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -62,6 +68,8 @@ def write_resolved_config(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m elastic_qa.train") -> int:
+    STARTUP.mark("imports")
+    dynamo_warmup()  # while the config, cache and process group come (observe/startup.py)
     args = parse_args(argv, prog)
     try:
         cfg = resolve_config(args.config, args.overrides)
@@ -98,6 +106,8 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     first, once logging is set up.
     """
     stop = stop or StopRequest()
+    if STARTUP.reported or "imports" not in STARTUP.phases:  # in-process (the Python API): timed from here
+        STARTUP.begin(born=time.time())
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
     try:  # before this start writes anything into the run (its logs): a live job must not see it
@@ -114,12 +124,15 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"run.dir={cfg.run.dir}: cannot create its logs ({_reason(err)})") from None
     log = get_logger()
+    STARTUP.mark("config")
     try:
         # Before the process group: a long first build cannot time it out.
         data = prepare(cfg, family_for(cfg.model))
+        STARTUP.mark("cache_open")
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
+        STARTUP.mark("process_group")
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
         trainer.start(threads=threads, restart_count=_restart_count(), config_hash=cfg.digest())
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one

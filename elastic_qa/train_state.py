@@ -14,7 +14,10 @@
                    "config", "versions",
                    "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise),
                    "metrics_backlog": [[step, {metric: value}], ...]: what rank 0's trackers are given
-                                      again on resume (observe/trackers; absent without trackers)}
+                                      again on resume (observe/trackers; absent without trackers),
+                   "loss_invariant": {"identity", "frozen": [names]}: the freeze probe's answer, which a
+                                     restart of the same model takes instead of probing again
+                                     (loop/freeze.py; absent without train.freeze_loss_invariant)}
 
 `state_dict()` and `load_state_dict()` are the only code that knows this layout. Checkpoints written before
 the layout had a format number (format 1: a "trainer" table that repeated the data position) still load;
@@ -79,6 +82,7 @@ class TrainState:
         cursor: GlobalCursor,
         vocabulary: str | None = None,
         end: int | None = None,
+        loss_invariant: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.ctx = cfg, ctx
         # The step training ends at (run_length.end_step; default train.max_steps); a resume may keep the
@@ -87,6 +91,7 @@ class TrainState:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.cursor = cursor
         self.vocabulary = vocabulary  # the tokenizer's, when it has one of its own (PreparedData.vocabulary)
+        self.loss_invariant = loss_invariant  # the freeze's answer (loop/freeze.py), saved for restarts
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0
         self.best = BestTracker(cfg.checkpoint)
@@ -124,6 +129,8 @@ class TrainState:
         }
         if self.vocabulary is not None:  # the model's ids mean nothing without it: it travels with them
             trainer["vocabulary"] = self.vocabulary
+        if self.loss_invariant is not None:
+            trainer["loss_invariant"] = self.loss_invariant
         backlog = self.tracker_backlog()
         if backlog:
             trainer["metrics_backlog"] = [[step, metrics] for step, metrics in backlog]

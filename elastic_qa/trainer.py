@@ -16,6 +16,7 @@ evaluation with the best tracker in loop/.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from elastic_qa.observe.breakdown import StepTimer
 from elastic_qa.observe.console import Console
 from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
+from elastic_qa.observe.startup import STARTUP
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers, check_installed
 from elastic_qa.optim import build_optimizer, build_scheduler
@@ -67,6 +69,7 @@ class Trainer:
         self.control_group = None
         if ctx.distributed:
             self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
+        STARTUP.mark("process_group")
         self.family = family_for(cfg.model)
         built = build_trained_model(cfg, ctx, data, self.family, self.control_group)
         self.model, self.trained, self.draws_random = built.model, built.trained, built.draws_random
@@ -86,7 +89,9 @@ class Trainer:
             GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
             vocabulary=data.vocabulary,
             end=end,
+            loss_invariant=built.loss_invariant,
         )
+        STARTUP.mark("optimizer")
         self.control = ControlPlane(
             ctx.is_main,
             cfg.dist.control_period.total_seconds(),
@@ -114,6 +119,7 @@ class Trainer:
             self.console,
             self.scalars,
         )
+        STARTUP.mark("trainer_init")
 
     # ---- start-up -----------------------------------------------------------------------------------
     def start(self, **worker_fields: Any) -> int:
@@ -122,6 +128,7 @@ class Trainer:
         `worker_fields` go into the `worker_start` line; returns the attempt number."""
         self._restore()
         attempt = self._register_attempt()
+        STARTUP.mark("register")
         ctx = self.ctx
         self.log.info(
             "worker_start",
@@ -256,7 +263,16 @@ class Trainer:
         self.timer.mark("log_and_save")
         console = self.console if self.ctx.is_main else None
         self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
+        if not STARTUP.reported:
+            self._log_startup()
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
+
+    def _log_startup(self) -> None:
+        """The `startup` event, once, after this process's first step (observe/startup.py)."""
+        STARTUP.mark("first_step")
+        STARTUP.reported = True
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.log.info("startup", step=self.state.step, restart_count=restart, **STARTUP.fields())
 
     def _evaluate(self) -> dict[str, float] | None:
         return self.scoring.run(unwrap(self.model), self.trackers)

@@ -141,7 +141,7 @@ def one_rep(
         if node is not None and node.newest() is not None:
             local = Checkpointer(checkpoint_cfg, node.store)
             path = node.store.path(step_dir_name(2))
-            loaded: LoadedCheckpoint | None = local.load_step(path, 2, verified=True)
+            loaded: LoadedCheckpoint | None = local.load_step(path, 2)
         else:
             loaded = checkpointer.load_newest()
         assert loaded is not None and loaded.step == 2

@@ -40,6 +40,7 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
+from elastic_qa.bench.recovery_timeline import medians, timeline
 from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.job import Job
 from elastic_qa.exits import UsageError
@@ -49,6 +50,7 @@ from elastic_qa.observe.follow import LogFollower
 GOAL = 1.5
 CASES = ("worker", "node")
 TRIVIAL = "elastic_qa.bench.trivial_worker"
+STARTUP_WAIT_S = 10.0  # for the `startup` line after the new group's first step
 SETTLE_S = 6.0  # earliest kill after the agents start: past the first rendezvous and a heartbeat or two
 # The product logs every step (so the first one after the kill is seen) and never ends on its own.
 PRODUCT = (
@@ -97,7 +99,7 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
     job = Job(run_dir, args.config, [*args.overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
     follower = LogFollower(run_dir / "logs")
     try:
-        job.start()
+        job.start(args.timeout)
         started = min(agent["started"] for agent in job.agents())
         job.wait_for_step(args.kill_after, args.timeout)
         wait_for_phase(started, phase, KEEP_ALIVE_INTERVAL_S)
@@ -114,9 +116,11 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         record = {"ts": killed, "case": case, "pids": victims, "since_agents_started": killed - started}
         (run_dir / "bench-kill.json").write_text(json.dumps(record))
         new = new_group_events(follower, before, killed, args.timeout, f"{variant} {case} ({run_dir})")
+        first_step = min(new["step"], key=lambda row: row["ts"])
+        if variant == "product":  # its `startup` line follows the step's: for recovery_timeline
+            wait_for_event(follower, "startup", first_step.get("pid"), STARTUP_WAIT_S)
     finally:
         job.kill_everything()
-    first_step = min(new["step"], key=lambda row: row["ts"])
     return {
         "first_step_s": first_step["ts"] - killed,
         "worker_start_s": min(row["ts"] for row in new["worker_start"] or [first_step]) - killed,
@@ -137,6 +141,16 @@ def new_group_events(
             raise BenchError(f"{what}: no step of a new group within {timeout:.0f} s")
         time.sleep(0.02)
     return new
+
+
+def wait_for_event(follower: LogFollower, event: str, pid: Any, timeout: float) -> bool:
+    """Whether process `pid` logged `event` within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(row.get("event") == event and row.get("pid") == pid for row in follower.new_events()):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -182,6 +196,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     for case in args.cases:
         print(goal_line(f"{case} kill product/bare", cases[case]["ratio"], GOAL, ".2f"))
+    for case in args.cases:
+        kills = [timeline(work / f"{case}-product-{rep}") for rep in range(args.reps)]
+        cases[case]["product"]["timeline"] = medians([row for row in kills if row])
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in cases[case]["product"]["timeline"].items())
+        print(f"{case} kill, product, medians (s; milestones after the kill, then phases): {shown}")
     return {
         "benchmark": "recovery",
         "settings": {

@@ -58,6 +58,8 @@ class Job:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> None:
+        """Start the launcher; TimeoutError when it has started no agent within `timeout` seconds (it
+        imports torch and builds the data cache first: for a pretrained encoder on a loaded host, minutes)."""
         (self.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
         out = open(self.run_dir / "chaos" / "launcher.log", "ab")  # noqa: SIM115 - lives with the job
         self.process = subprocess.Popen(

@@ -30,7 +30,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -95,6 +95,7 @@ class Verification:
     reason: str = ""
     manifest: dict[str, Any] | None = field(default=None)
     vanished: bool = False  # deleted while being verified (a concurrent prune): gone, not damaged
+    kept: dict[str, bytes] = field(default_factory=dict)  # the bytes of the files asked for (`keep`)
 
 
 @dataclass
@@ -276,12 +277,13 @@ class CheckpointStore(abc.ABC):
             raise ValueError("manifest has no 'files' table")
         return manifest
 
-    def verify(self, path: str) -> Verification:
-        """Every file in the manifest present with the recorded size and sha256.
+    def verify(self, path: str, keep: Collection[str] = ()) -> Verification:
+        """Every file in the manifest present with the recorded size and sha256; the bytes of the logical
+        files named in `keep` in `kept` (read once: a restore unpickles them without reading them again).
 
         Only regular files directly inside the step directory are read, each at most its recorded size
-        (+1 byte), in chunks. A checkpoint deleted while being verified (pruned by a concurrent writer) is
-        reported as `vanished`: gone, not damaged.
+        (+1 byte), in chunks (kept files in one read). A checkpoint deleted while being verified (pruned by
+        a concurrent writer) is reported as `vanished`: gone, not damaged.
         """
         try:
             manifest = self.read_manifest(path)
@@ -295,10 +297,11 @@ class CheckpointStore(abc.ABC):
         names = [entry["name"] for entry in entries if isinstance(entry.get("name"), str)]
         if len(set(names)) != len(names):  # each file hashed once: not 1000 times one 10 GB file
             return Verification(False, "manifest.json names a file more than once", manifest)
+        kept: dict[str, bytes] = {}
         for logical, entry in manifest["files"].items():
             label = self._shown(logical)
             try:
-                self._read_entry(path, entry, keep=False)
+                data = self._read_entry(path, entry, keep=logical in keep)
             except FileNotFoundError:
                 if self._replaced(path, manifest):
                     return Verification(False, "pruned while verifying", manifest, vanished=True)
@@ -307,7 +310,9 @@ class CheckpointStore(abc.ABC):
                 return Verification(False, f"{label}: {err}", manifest)
             except OSError as err:
                 return Verification(False, f"{label}: unreadable ({err})", manifest)
-        return Verification(True, "", manifest)
+            if logical in keep:
+                kept[logical] = data
+        return Verification(True, "", manifest, kept=kept)
 
     def load_file(self, path: str, manifest: Mapping[str, Any], logical: str) -> Any:
         """Load one tensor file with weights_only=True (never runs code from the file).
@@ -322,6 +327,11 @@ class CheckpointStore(abc.ABC):
             raise CheckpointError(f"{path}: {logical} {reason}") from None
         except MemoryError:
             raise CheckpointError(f"{path}: {logical} is too large to load into memory") from None
+        return self.unpickle(path, logical, data)
+
+    @staticmethod
+    def unpickle(path: str, logical: str, data: bytes) -> Any:
+        """A tensor file's bytes (read and checked against its manifest entry) loaded with weights_only."""
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unpickling failure means: refuse this file

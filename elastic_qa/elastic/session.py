@@ -55,6 +55,7 @@ from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext, all_gather_bytes, decide_on_rank0
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
 from elastic_qa.observe.log import get_logger, update_identity
+from elastic_qa.observe.startup import STARTUP
 from elastic_qa.run_length import end_step, length_text
 from elastic_qa.train_state import ResumeError, TrainState, gather_rng_states
 
@@ -156,8 +157,10 @@ class CheckpointSession:
         self.from_node_local = choice.node_local
         if choice.step >= 0 and loaded is None:
             loaded = self._load_chosen(choice.step, choice.from_source, choice.node_local)
+        STARTUP.mark("restore_read")
         if loaded is not None:
             self.state.load_state_dict(loaded)
+        STARTUP.mark("restore_apply")
         self.restored = loaded
         return loaded
 
@@ -175,8 +178,7 @@ class CheckpointSession:
     def _load_node_local(self, step: int) -> LoadedCheckpoint:
         assert self.node_local is not None  # chosen only when every rank reported a copy
         copies = Checkpointer(self.cfg.checkpoint, self.node_local.store)
-        # newest() verified it at this restore (every rank's report says so)
-        return copies.load_step(self.node_local.store.path(step_dir_name(step)), step, verified=True)
+        return copies.load_step(self.node_local.store.path(step_dir_name(step)), step)
 
     def _choose_node_local(self, copies: list[dict[str, Any] | None]) -> LoadedCheckpoint | None:
         """Rank 0: the node-local copies to restore, when every rank holds one that verifies at the same

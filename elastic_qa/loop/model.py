@@ -13,6 +13,7 @@ from elastic_qa.data.cache import PreparedData
 from elastic_qa.dist import CommTimer, DistContext, wrap_model
 from elastic_qa.loop.freeze import freeze_loss_invariant
 from elastic_qa.models import ModelFamily
+from elastic_qa.observe.startup import STARTUP
 
 
 @dataclass
@@ -22,17 +23,21 @@ class TrainedModel:
     draws_random: bool  # a step draws random numbers (dropout): it re-seeds them per step and rank
     compile_watch: CompileWatch | None  # train.compile: what the compiler did, told at each step
     comm_timer: CommTimer  # the gradient all-reduce's time (DDP's comm hook)
+    loss_invariant: dict[str, Any] | None  # the freeze's answer, carried by checkpoints (None: no freeze)
 
 
 def build_trained_model(
     cfg: Config, ctx: DistContext, data: PreparedData, family: ModelFamily, group: Any
 ) -> TrainedModel:
-    """Identical initial weights on every rank (seeded by run.seed); the freeze probe's answer is rank 0's,
-    broadcast on `group`."""
+    """Identical initial weights on every rank (seeded by run.seed); the freeze's answer is rank 0's (its
+    probe's, or the one the newest checkpoint carries for this model), broadcast on `group`."""
     torch.manual_seed(cfg.run.seed)
     model = family.build_model(cfg, data.vocab_size)
+    STARTUP.mark("model_build")
+    loss_invariant = None
     if cfg.train.freeze_loss_invariant:
-        freeze_loss_invariant(model, family, data.train, ctx, group)
+        loss_invariant = freeze_loss_invariant(model, cfg, family, data.train, ctx, group)
+        STARTUP.mark("probe")
     model = model.to(ctx.device)
     # Listed once: walking the modules for them at every step costs as much as the clipping.
     trained = [param for param in model.parameters() if param.requires_grad]
@@ -47,4 +52,5 @@ def build_trained_model(
         compile_model(model, cfg, family.full_width)
     comm_timer = CommTimer()
     wrapped = wrap_model(model, ctx, cfg.dist, comm_timer)
-    return TrainedModel(wrapped, trained, draws_random, compile_watch, comm_timer)
+    STARTUP.mark("model_build")
+    return TrainedModel(wrapped, trained, draws_random, compile_watch, comm_timer, loss_invariant)

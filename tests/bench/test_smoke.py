@@ -128,6 +128,10 @@ def test_recovery(tmp_path: Path, cache_dir: Path) -> None:
     for variant in ("product", "bare"):
         assert positive(worker[variant]["first_step_s"]) and worker[variant]["new_world_size"] == 2
     assert worker["ratio"] > 0
+    # Where the product's seconds went: the survivor's side, the new process's birth, its start-up phases.
+    timeline = worker["product"]["timeline"]
+    assert 0 < timeline["noticed"] <= timeline["saved"] < timeline["born"] < timeline["first_step_at"]
+    assert {"imports", "process_group", "model", "probe", "restore", "first_step"} <= set(timeline)
 
 
 def test_scaling(tmp_path: Path, cache_dir: Path) -> None:

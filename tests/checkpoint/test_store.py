@@ -73,6 +73,19 @@ def test_a_committed_checkpoint_is_listed_verified_and_loaded(store: CheckpointS
     assert torch.equal(model["w"], expected["w"])
 
 
+def test_verification_keeps_the_bytes_it_checked_of_the_files_asked_for(store: CheckpointStore) -> None:
+    """A restore unpickles the very bytes verification hashed: each file is read once."""
+    files = small_files(7)
+    path = store.commit(7, files, manifest_fields())
+    verdict = store.verify(path, keep=(MODEL_FILE, TRAINER_FILE))
+    assert verdict.ok, verdict.reason
+    assert verdict.kept == {MODEL_FILE: files[MODEL_FILE], TRAINER_FILE: files[TRAINER_FILE]}
+    assert store.verify(path).kept == {}
+    flip_byte(store, file_path(store, 7, OPTIMIZER_FILE))  # a damaged file fails the whole, kept or not
+    damaged = store.verify(path, keep=(MODEL_FILE,))
+    assert not damaged.ok and "sha256" in damaged.reason
+
+
 def test_checkpoints_are_listed_oldest_first_and_temporary_dirs_never(store: CheckpointStore) -> None:
     for step in (30, 10, 20):
         store.commit(step, small_files(step), manifest_fields())

@@ -1,0 +1,104 @@
+"""A worker's start-up, timed phase by phase: from the process's birth to its first completed step.
+
+The worker marks the end of each phase as it goes (`STARTUP.mark("restore")`); the trainer logs the whole
+as one `startup` event once its first step is done:
+
+    interpreter     process birth (fork by the torchrun agent) to the first line of elastic_qa.train: the
+                    Python interpreter, the package root and whatever runs the module (under the local
+                    launcher, elastic_qa.launcher.loopback, which imports torch.distributed: most of it)
+    imports         elastic_qa.train's imports (torch among them, unless imported already)
+    config          arguments, config, logging
+    cache_open      the prepared feature cache (prep.prepare)
+    process_group   init_process_group, the threads, the control groups
+    model_build     the model built, moved and wrapped (DDP)
+    probe           the loss-invariance probe (loop/freeze.py), or the answer a checkpoint carried
+    optimizer       optimizer, LR schedule, the trainer's state (the first add_param_group imports
+                    torch._dynamo: see dynamo_warmup)
+    trainer_init    the rest of the trainer (checkpoint store, groups, loggers)
+    restore_read    choosing and reading the checkpoint
+    restore_apply   loading it into the model, optimizer and the rest
+    register        the run's hold and the attempt number
+    first_step      the loader built and the first step trained
+
+A phase marked twice adds up. A mark costs one clock read; importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def process_birth() -> float | None:
+    """The wall-clock time this process was created: its start time in /proc/self/stat (clock ticks since
+    boot) against /proc/uptime, both to 10 ms. None where /proc is not there."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) may hold spaces: fields are counted after its closing parenthesis.
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.time() - (uptime - start_ticks / ticks)
+
+
+class StartupClock:
+    """Seconds per start-up phase, each mark closing the phase that ran since the previous one."""
+
+    def __init__(self) -> None:
+        self.born: float | None = None  # the process's creation (process_birth)
+        self.phases: dict[str, float] = {}
+        self._last = time.time()
+        self.reported = False  # the `startup` event is logged (by the trainer, at its first step)
+        self.begin()
+
+    def begin(self, born: float | None = None) -> None:
+        """The first mark, `interpreter`: from `born` (default: the process's birth) to now. The clock
+        begins when this module is first imported (elastic_qa.train imports it first)."""
+        now = time.time()
+        self.born = born if born is not None else process_birth()
+        self.phases, self._last, self.reported = {}, now, False
+        if self.born is not None:
+            self.phases["interpreter"] = max(0.0, now - self.born)
+
+    def mark(self, phase: str) -> None:
+        """`phase` ran from the previous mark to now."""
+        now = time.time()
+        self.phases[phase] = self.phases.get(phase, 0.0) + (now - self._last)
+        self._last = now
+
+    def fields(self) -> dict[str, Any]:
+        """The `startup` event's fields: `<phase>_s` for each phase in order, and `total_s`, their sum (from
+        the birth to the last mark; from `begin` where the birth is unknown)."""
+        fields: dict[str, Any] = {f"{phase}_s": round(seconds, 4) for phase, seconds in self.phases.items()}
+        fields["total_s"] = round(sum(self.phases.values()), 4)
+        return fields
+
+
+# The one clock of this process (a worker is one trainer).
+STARTUP = StartupClock()
+
+
+def dynamo_warmup() -> threading.Thread:
+    """Import torch._dynamo on a daemon thread now, while the process group forms and the cache opens.
+
+    torch wraps Optimizer.add_param_group and the optimizer's step in `torch._disable_dynamo`, which
+    imports torch._dynamo on first use: ~1.1 s of a restart, measured with `python -X importtime`. Imported
+    here first, the optimizer finds it in sys.modules; a main thread that gets there before this one is
+    done waits on the import lock for the rest of it, never imports it twice. Call it once torch itself is
+    imported (a second importer of torch would only wait). A failure here is left for the main thread's
+    own import to raise.
+    """
+
+    def warm() -> None:
+        with contextlib.suppress(Exception):  # the optimizer's own import says what is wrong
+            import torch._dynamo  # noqa: F401
+
+    thread = threading.Thread(target=warm, name="dynamo-warmup", daemon=True)
+    thread.start()
+    return thread
