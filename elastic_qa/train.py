@@ -69,7 +69,6 @@ def write_resolved_config(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m elastic_qa.train") -> int:
     STARTUP.mark("imports")
-    dynamo_warmup()  # while the config, cache and process group come (observe/startup.py)
     args = parse_args(argv, prog)
     try:
         cfg = resolve_config(args.config, args.overrides)
@@ -129,9 +128,11 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         # Before the process group: a long first build cannot time it out.
         data = prepare(cfg, family_for(cfg.model))
         STARTUP.mark("cache_open")
+        warmup = dynamo_warmup()  # while the process group forms (observe/startup.py)
         ctx = init_distributed(cfg.dist)
         watchdog.start()
         threads = set_threads(cfg.train.threads, ctx)
+        warmup.join()  # no other import runs beside it (two threads' imports can deadlock on their locks)
         STARTUP.mark("process_group")
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
         trainer.start(threads=threads, restart_count=_restart_count(), config_hash=cfg.digest())

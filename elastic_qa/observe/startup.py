@@ -85,14 +85,15 @@ STARTUP = StartupClock()
 
 
 def dynamo_warmup() -> threading.Thread:
-    """Import torch._dynamo on a daemon thread now, while the process group forms and the cache opens.
+    """Import torch._dynamo on a daemon thread now, while the process group forms; join it before the
+    main thread imports anything else.
 
     torch wraps Optimizer.add_param_group and the optimizer's step in `torch._disable_dynamo`, which
     imports torch._dynamo on first use: ~1.1 s of a restart, measured with `python -X importtime`. Imported
-    here first, the optimizer finds it in sys.modules; a main thread that gets there before this one is
-    done waits on the import lock for the rest of it, never imports it twice. Call it once torch itself is
-    imported (a second importer of torch would only wait). A failure here is left for the main thread's
-    own import to raise.
+    here first, the optimizer finds it in sys.modules. The caller joins the thread before its own next
+    imports: two threads importing overlapping module graphs at once can take their module locks in
+    opposite orders, and Python then raises a deadlock error in one of them. Call it once torch itself is
+    imported. A failure here is left for the main thread's own import to raise.
     """
 
     def warm() -> None:
