@@ -28,6 +28,14 @@ def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
     return before_file
 
 
+def pauses(cfg: Config) -> bool:
+    """The debug settings may stop the loop after a step (a delay, a kill, a hold): the trainer then writes
+    each step's line before `after_step` (the same on every rank: the config is), rather than carry it to
+    the next control all-reduce, so that a test waiting for step N's line sees it while step N holds."""
+    debug = cfg.debug
+    return bool(debug.hold_dir or debug.kill_at_step or debug.step_delay.total_seconds() > 0)
+
+
 def after_step(cfg: Config, rank: int, step: int, stop_requested: Callable[[], bool] = lambda: False) -> None:
     """After each step: `debug.step_delay`, SIGKILL at `debug.kill_at_step` (once per run, however often
     the step is replayed: a marker file under the run directory remembers), and the step holds of

@@ -265,6 +265,8 @@ class Trainer:
         self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
         if not STARTUP.reported:
             self._log_startup()
+        if debug.pauses(cfg):
+            self.control.flush()  # this step's line before a debug hold, kill or delay (collective)
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
     def _log_startup(self) -> None:
