@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,13 @@ import pytest
 
 from elastic_qa.checkpoint.node_local import ROOT_ENV
 from elastic_qa.config import Config, load_config, packaged_config
+
+# A suite started in the background by a non-interactive shell (`nohup make test &`) inherits SIGINT
+# ignored, and so would every process a test starts: the tests of Ctrl-C then wait for an exit that never
+# comes (seen: both failed under `nohup bash -c 'make test' &`). Handled here, it is back to the default
+# in every child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
