@@ -11,8 +11,10 @@ from __future__ import annotations
 
 # isort: off
 # First: the start-up clock's `interpreter` phase ends here, before the imports below (torch among them).
-from elastic_qa.observe.startup import STARTUP, dynamo_warmup
+from elastic_qa.observe.startup import STARTUP, dynamo_warmup, structlog_without_rich
 
+if __name__ == "__main__":  # a worker process of its own, not an import by the Python API
+    structlog_without_rich()
 # isort: on
 import argparse
 import errno

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.startup import StartupClock
@@ -70,3 +73,30 @@ def test_a_worker_logs_one_startup_event_with_every_phase_after_its_first_step(
         first_step = next(e for e in events if e["event"] == "step" and e["pid"] == event["pid"])
         born = event["ts"] - event["total_s"]
         assert born <= first_step["ts"] <= event["ts"]
+
+
+RICH_INSTALLED = importlib.util.find_spec("rich") is not None
+
+
+@pytest.mark.skipif(not RICH_INSTALLED, reason="rich is not installed here: nothing for structlog to import")
+def test_a_worker_process_imports_structlog_without_rich_and_rich_still_imports_later() -> None:
+    # A worker (elastic_qa.train run as the main module) never loads rich through structlog.dev; the same
+    # module imported by another program (the Python API) leaves structlog as it is.
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['elastic_qa.train', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('elastic_qa.train', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import structlog.dev\n"
+        "print('worker', 'rich' in sys.modules, structlog.dev.rich is None)\n"
+        "import rich\n"
+        "print('later', rich.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "worker False True" in out
+    assert "later rich" in out
+    imported = "import sys, elastic_qa.train, structlog.dev; print('api', structlog.dev.rich is not None)"
+    out = subprocess.run([sys.executable, "-c", imported], capture_output=True, text=True, check=True).stdout
+    assert "api True" in out
