@@ -11,7 +11,7 @@ RUN_DIR ?= runs/default-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: run test test-loaded test-long gpu-check lint install dev clean
+.PHONY: run test test-bench test-loaded test-long gpu-check lint install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,15 @@ lint: $(VENV)/.dev
 
 # Two pytest processes (pytest-xdist): most tests wait on real torchrun jobs, rendezvous and timeouts, so
 # two at a time keep two cores busy. TEST_WORKERS=0 runs them in this one process.
+# The benchmark commands' end-to-end runs (marker `bench`) have a target of their own, run by CI after this.
 TEST_WORKERS ?= 2
+SUITE_MARKS ?= not long and not bench
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "$(SUITE_MARKS)" $(ARGS)
+
+# Every `elastic-qa bench ...` command run end to end on a tiny job (about 6 minutes in two processes).
+test-bench: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "bench and not long" $(ARGS)
 
 # `make test` beside two busy processes (tests/under_load.py): a test that waits on luck instead of an
 # event fails here, not on a loaded CI box. The burners end with the run, Ctrl-C included.
@@ -57,7 +63,7 @@ test: lint
 LOADED_BASETEMP ?= /tmp/elastic-qa-test-loaded
 test-loaded: lint
 	$(BIN)/python -m tests.under_load --burners 2 -- \
-	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --basetemp=$(LOADED_BASETEMP) $(ARGS)
+	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "$(SUITE_MARKS)" --basetemp=$(LOADED_BASETEMP) $(ARGS)
 	$(BIN)/python -m tests.leftovers $(LOADED_BASETEMP)
 
 # The scenarios marked `long` (minutes each), kept out of `make test`'s time budget.

@@ -122,6 +122,7 @@ def sane(figures: dict[str, Any], faults: int, paced: bool = True) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 def test_a_short_goodput_run_of_product_and_bare(tmp_path: Path, cache_dir: Path) -> None:
     result = run_bench(
         tmp_path, "--mtbf", "4s", "--faults", "3", "--sides", "product,bare", "--seed", "5",
@@ -170,6 +171,7 @@ def test_the_torchft_side_is_skipped_with_its_reason_when_torchft_is_absent(
 
 # A minute alone, several on a loaded 2-core host (a restarted replica imports torch and torchft): long.
 @pytest.mark.integration
+@pytest.mark.bench
 @pytest.mark.long
 def test_a_tiny_torchft_run_with_one_fault(tmp_path: Path, cache_dir: Path) -> None:
     pytest.importorskip("torchft")
@@ -186,6 +188,7 @@ def test_a_tiny_torchft_run_with_one_fault(tmp_path: Path, cache_dir: Path) -> N
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 def test_a_parallel_run_stopped_by_sigterm_leaves_no_process_of_any_side(
     tmp_path: Path, cache_dir: Path
 ) -> None:

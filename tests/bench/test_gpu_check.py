@@ -24,6 +24,7 @@ from elastic_qa.launcher.processes import python_env
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 def test_the_cpu_mode_kills_the_worker_resumes_from_a_checkpoint_and_passes_every_check(
     tmp_path: Path, cache_dir: Path
 ) -> None:

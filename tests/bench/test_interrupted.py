@@ -14,7 +14,7 @@ import pytest
 
 from elastic_qa.launcher.processes import alive, cmdline, python_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.bench]
 
 
 def processes_of(run_dir: Path) -> list[int]:

@@ -140,6 +140,7 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
 
 # ---- end to end --------------------------------------------------------------------------------------
 @pytest.mark.integration
+@pytest.mark.bench
 def test_both_sides_end_to_end_are_scored_by_the_product_scorer(tmp_path: Path, bert: Path) -> None:
     data = tmp_path / "squad.json"
     document = write_articles(data, articles=4, questions_each=4)

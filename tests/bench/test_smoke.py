@@ -13,7 +13,7 @@ import pytest
 
 from elastic_qa.bench.cli import main
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.bench]
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
