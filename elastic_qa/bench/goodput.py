@@ -231,6 +231,8 @@ class LauncherSide:
         self.job.kill_everything()
         for thread in self.replacements:
             thread.join(timeout=30)
+        self.job.kill_everything()  # an agent a replacement thread joined meanwhile
+        self.job.remove_node_local_copy()
 
     def lost(self, steps: list[Step], faults: list[float]) -> list[int] | None:
         """The product's from its restores, each attempt's reach read from the sample ledger: a step line is

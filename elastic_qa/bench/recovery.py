@@ -121,6 +121,7 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
             wait_for_event(follower, "startup", first_step.get("pid"), STARTUP_WAIT_S)
     finally:
         job.kill_everything()
+        job.remove_node_local_copy()
     return {
         "first_step_s": first_step["ts"] - killed,
         "worker_start_s": min(row["ts"] for row in new["worker_start"] or [first_step]) - killed,

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from elastic_qa.chaos.evidence import run_config
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.launcher.processes import (
     alive,
     children,
@@ -110,6 +112,19 @@ class Job:
         kill_trees([*launcher, *agents])
         if self.process:
             self.process.wait()
+
+    def remove_node_local_copy(self) -> None:
+        """Remove this run's node-local copy (checkpoint/node_local.py) from this machine's memory, once the
+        job is gone: for a benchmark's throwaway job, which ends killed, so its workers never remove it
+        (a job that ends 0 does). The durable checkpoints stay. Nothing to do when the run wrote no config
+        (no worker started) or the copy is off."""
+        try:
+            cfg = run_config(self.run_dir)
+        except (OSError, ValueError, TypeError, KeyError):
+            return
+        copy = NodeLocalCopy.for_run(cfg)
+        if copy is not None:
+            copy.remove()
 
     # ---- processes ----------------------------------------------------------------------------------
     def agents(self) -> list[dict]:

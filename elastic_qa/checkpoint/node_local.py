@@ -36,7 +36,7 @@ from typing import Any
 
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
-from elastic_qa.config import CheckpointConfig
+from elastic_qa.config import CheckpointConfig, Config
 from elastic_qa.observe.log import get_logger
 
 ROOT_ENV = "ELASTIC_QA_NODE_LOCAL_DIR"  # the default root when checkpoint.node_local_dir is empty
@@ -77,6 +77,12 @@ class NodeLocalCopy:
         if not cfg.node_local or not os.path.isdir(os.path.dirname(root.rstrip("/")) or "/"):
             return None
         return cls(root, checkpoint_url)
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> NodeLocalCopy | None:
+        """The copy of the run `cfg` trains (durable store: `cfg.checkpoint_dir`), or None as in open."""
+        store = open_store(cfg.checkpoint_dir)
+        return cls.open(cfg.checkpoint, store.display(store.root))
 
     # ---- writing ------------------------------------------------------------------------------------
     def commit(self, step: int, files: Mapping[str, bytes], manifest_fields: Mapping[str, Any]) -> bool:

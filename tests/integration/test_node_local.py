@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_qa.chaos.evidence import run_config
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.holds import release
 from elastic_qa.observe.follow import read_events
 from tests.integration import test_elastic as elastic
@@ -62,3 +64,22 @@ def test_a_killed_worker_whose_emergency_save_only_reached_node_memory_resumes_f
     resumes = [e for e in events if e["event"] == "resume"]
     assert {(e["step"], e["node_local"]) for e in resumes} == {(25, True)}
     assert {e["step"] for e in events if e["event"] == "node_local_made_durable"} == {25}  # each rank says so
+
+
+def test_a_killed_benchmark_job_leaves_no_node_local_copy(tmp_path: Path, cache_dir: Path) -> None:
+    # A benchmark's job ends killed (kill_everything), so no worker removes its copy from node memory: the
+    # benchmark does, with remove_node_local_copy, and the durable checkpoints stay.
+    run_dir = tmp_path / "run"
+    job = elastic.run_job(run_dir, cache_dir, "train.max_steps=100000", "debug.step_delay=20ms", agents=1)
+    try:
+        wait_for_event(run_dir, lambda e: e["event"] == "checkpoint_committed" and e["step"] == 20)
+    finally:
+        job.kill_everything()
+    copy = NodeLocalCopy.for_run(run_config(run_dir))
+    assert copy is not None
+    directory = Path(copy.directory)
+    assert list(directory.glob("step-*/manifest.json")), "the job's copy in node memory, before the removal"
+    job.remove_node_local_copy()
+    assert not directory.exists() and not Path(copy.lock_path).exists()
+    assert list((run_dir / "checkpoints").glob("step-*/manifest.json"))  # durable checkpoints untouched
+    job.remove_node_local_copy()  # twice: nothing left to do
