@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_qa.config import ConfigError, DistConfig
 from elastic_qa.dist import (
@@ -23,6 +22,7 @@ from elastic_qa.dist import (
     has_running_statistics,
     init_distributed,
 )
+from tests.spawned import spawn_ranks
 
 SCRIPT = textwrap.dedent(
     """
@@ -174,7 +174,7 @@ def _decision_rank(rank: int, world: int, store_path: str, out: str) -> None:
 
 
 def test_rank_0_decides_and_every_rank_gets_its_decision_or_its_refusal(tmp_path: Path) -> None:
-    mp.spawn(_decision_rank, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+    spawn_ranks(_decision_rank, (3, str(tmp_path / "store"), str(tmp_path)), nprocs=3)
 
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     expected_refusal = ["Held", ("held by job 7 " + "x" * MAX_REFUSAL)[:MAX_REFUSAL]]

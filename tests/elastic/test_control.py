@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.control import ControlPlane, Phase, failure_reason, gloo_all_reduce
 from elastic_qa.loop.step_log import StepLog, StepStats
 from elastic_qa.observe.console import Console
+from tests.spawned import spawn_ranks
 
 
 class FakeGroup:
@@ -203,7 +203,7 @@ def _logging_rank(rank: int, world: int, store: str, out: str) -> None:
 def test_step_lines_from_carried_sums_equal_those_of_a_blocking_all_reduce_on_three_gloo_ranks(
     tmp_path: Path,
 ) -> None:
-    mp.spawn(_logging_rank, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+    spawn_ranks(_logging_rank, (3, str(tmp_path / "store"), str(tmp_path)), nprocs=3)
 
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     for rank, got in enumerate(ranks):
@@ -242,6 +242,6 @@ def _dying_rank(rank: int, store: str, out: str) -> None:
 def test_a_peer_dying_before_the_carried_sums_arrive_fails_the_agreement_as_the_trainer_expects(
     tmp_path: Path,
 ) -> None:
-    mp.spawn(_dying_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dying_rank, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
 
     assert (tmp_path / "failure.txt").read_text() != ""

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_qa import dist as dist_module
 from elastic_qa.dist import CommTimer, DistContext
 from elastic_qa.elastic.control import ControlPlane, gloo_all_reduce
 from elastic_qa.observe import breakdown as breakdown_module
 from elastic_qa.observe.breakdown import StepTimer
+from tests.spawned import spawn_ranks
 
 CPU = torch.device("cpu")
 
@@ -241,7 +241,7 @@ def _straggler_rank(rank: int, world: int, store_path: str, out: str, carried: b
 def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggler(
     tmp_path: Path, carried: bool
 ) -> None:
-    mp.spawn(_straggler_rank, args=(2, str(tmp_path / "store"), str(tmp_path), carried), nprocs=2, join=True)
+    spawn_ranks(_straggler_rank, (2, str(tmp_path / "store"), str(tmp_path), carried), nprocs=2)
 
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
