@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
-from types import FrameType
+from collections.abc import Iterable, Iterator
+from types import FrameType, TracebackType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -98,3 +99,59 @@ class StopRequest:
             self._noticed = True
             log.warning("stop_requested", signal=self.signal_name, received_ts=self.received_ts)
         return self._requested
+
+
+class SignalWait:
+    """Blocks the main thread until one of `signals` arrives, taking no lock a signal handler could need.
+
+    A wait on a `threading.Event` set by the handler hangs for good when a second signal lands while the
+    main thread holds the Event's lock inside `wait()` (a server sent Ctrl-C then SIGTERM never stopped):
+    the handler's `set()` waits for a lock its own thread holds. Here the interpreter's C-level handler
+    writes each signal's number to a socket (`signal.set_wakeup_fd`), the main thread blocks reading that
+    socket, and the Python-level handler does nothing at all. Use as a context manager, from the main
+    thread; leaving it puts back the previous handlers and wakeup fd.
+    """
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("SignalWait: signal handlers can only be set from the main thread")
+        self._signals = {int(s) for s in signals}
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)  # the interpreter drops a byte rather than block in its handler
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._previous = {signum: signal.signal(signum, _do_nothing) for signum in self._signals}
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """The number of the first of the signals to arrive (at once if one already has since the last
+        call), or None after `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._reader.settimeout(left)
+            try:
+                received = self._reader.recv(64)
+            except TimeoutError:
+                return None
+            for signum in received:  # other handled signals write their numbers here too
+                if signum in self._signals:
+                    return signum
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._reader.close()
+        self._writer.close()
+
+    def __enter__(self) -> SignalWait:
+        return self
+
+    def __exit__(
+        self, _type: type[BaseException] | None, _value: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _do_nothing(_signum: int, _frame: FrameType | None) -> None:
+    """The Python-level handler of `SignalWait`: the wakeup fd carries the signal, this only keeps the
+    default action (termination) from running."""

@@ -19,6 +19,7 @@ create files readable by their owner only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -284,9 +285,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     def stop_all(signum, _frame):
         if not stops:
             view.stopping = True
-            view.say(
-                f"stopping ({signal.Signals(signum).name}): every agent saves its step first", always=True
-            )
+            # A handler that prints while its own thread was printing gets "reentrant call": the
+            # sentence is dropped then, never the stop.
+            with contextlib.suppress(RuntimeError):
+                view.say(
+                    f"stopping ({signal.Signals(signum).name}): every agent saves its step first",
+                    always=True,
+                )
         stops.append(signum)
         log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
         for agent in current_agents(run_dir, job):

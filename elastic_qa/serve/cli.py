@@ -13,11 +13,11 @@ import signal
 import sys
 import threading
 from datetime import timedelta
-from types import FrameType
 
 from elastic_qa.argtypes import positive_duration, whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import ConfigError
+from elastic_qa.elastic.signals import SignalWait
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_OK, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.serve.batcher import Batcher
@@ -129,24 +129,19 @@ def main(argv: list[str]) -> int:
             "authentication and no TLS; put a proxy in front (docs/serve.md)",
             file=sys.stderr,
         )
-    stop = threading.Event()
-
-    def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    serving = threading.Thread(target=server.serve_forever, name="accept")
-    serving.start()
-    print(
-        f"elastic-qa serve: {server.settings.model['source']} on {server.url} "
-        "(POST /v1/answer, GET /healthz; SIGTERM or Ctrl-C stops)",
-        flush=True,
-    )
-    stop.wait()
-    print("elastic-qa serve: stopping: answering the requests in flight", flush=True)
-    server.stop()
-    serving.join()
+    with SignalWait((signal.SIGTERM, signal.SIGINT)) as signals:
+        serving = threading.Thread(target=server.serve_forever, name="accept")
+        serving.start()
+        print(
+            f"elastic-qa serve: {server.settings.model['source']} on {server.url} "
+            "(POST /v1/answer, GET /healthz; SIGTERM or Ctrl-C stops)",
+            flush=True,
+        )
+        signals.wait()
+        # Still inside: a second signal while the requests in flight are answered is ignored.
+        print("elastic-qa serve: stopping: answering the requests in flight", flush=True)
+        server.stop()
+        serving.join()
     stats = server.batcher.stats
     print(f"elastic-qa serve: stopped ({stats.questions} questions in {stats.batches} batches)", flush=True)
     return EXIT_OK

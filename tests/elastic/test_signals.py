@@ -143,3 +143,57 @@ def test_a_sigterm_during_a_save_only_marks_the_stop_and_a_hard_exit_waits_for_t
         assert stop.wait_for_save(0)
     finally:
         stop.uninstall()
+
+
+# A wait for a stop signal, with a signal raised at each line the wait runs in turn (a tracer counts them)
+# and a first one at its start: two signals close together, the second at every point of the wait.
+WAIT_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from elastic_qa.elastic.signals import SignalWait
+
+    fire_at, count = [], 0
+
+    def local(frame, event, arg):
+        global count
+        if event == "line":
+            if count in fire_at:
+                os.kill(os.getpid(), signal.SIGTERM if count % 2 else signal.SIGINT)
+            count += 1
+        return local
+
+    with SignalWait((signal.SIGTERM, signal.SIGINT)) as waiter:
+        for second in range(1, 60):
+            count, fire_at = 0, [0, second]
+            sys.settrace(lambda frame, event, arg: local)
+            received = waiter.wait(timeout_s=60)
+            sys.settrace(None)
+            assert received in (signal.SIGTERM, signal.SIGINT), (fire_at, received)
+        assert waiter.wait(timeout_s=0.01) in (None, signal.SIGTERM, signal.SIGINT)
+    print("ok")
+    """
+)
+
+
+def test_a_second_signal_at_any_point_of_a_signal_wait_cannot_deadlock_it(tmp_path: Path) -> None:
+    # `elastic-qa serve` waited on an Event that its handler set: this script with that wait hangs for
+    # good (a SIGTERM cannot end it either) when the second signal lands while `wait` holds the Event's lock.
+    process = subprocess.Popen([sys.executable, "-c", WAIT_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and out.strip() == "ok"
+
+
+def test_a_signal_wait_gives_back_the_handlers_it_replaced() -> None:
+    from elastic_qa.elastic.signals import SignalWait
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with SignalWait((signal.SIGTERM,)) as waiter:
+        assert signal.getsignal(signal.SIGTERM) is not before[0]
+        assert waiter.wait(timeout_s=0.01) is None
+        signal.raise_signal(signal.SIGTERM)  # handled: the test process lives on
+        assert waiter.wait(timeout_s=10) == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert signal.set_wakeup_fd(-1) == -1  # no wakeup fd left behind
