@@ -1,12 +1,13 @@
 """The node-local copy through the trainer and its checkpoint session, in this process on a one-rank gloo
 group: an emergency save while durable storage fails leaves the step in node memory, the next start on the
-node restores it and commits it to the store; a damaged copy, or one of a stale attempt, is passed over for
-the store's newest; a finished job leaves no copy behind."""
+node restores it (reading each file once) and commits it to the store; a damaged copy, or one of a stale
+attempt, is passed over for the store's newest; a finished job leaves no copy behind."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.payload import MODEL_FILE
+from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.elastic.control import PeerFailure
 from elastic_qa.observe.follow import read_events
 from elastic_qa.trainer import Trainer
@@ -71,6 +73,29 @@ def test_the_emergency_step_only_in_node_memory_is_restored_and_made_durable(sta
     assert committed(again)[-1] == 3  # never only in memory for longer than one background save
     assert again.train()["step"] == 6
     assert committed(again)[-1] == 6
+
+
+def test_a_restore_from_node_memory_reads_and_hashes_each_state_file_once(
+    started, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = started(*overrides(tmp_path))
+    die_after_step_3_with_storage_down(first, tmp_path / "storage-down")
+    (tmp_path / "storage-down").unlink()
+    assert first.session.node_local is not None
+    copy_dir = first.session.node_local.directory
+    reads: list[str] = []  # the node-local files read (each read also hashes what it reads)
+    read_entry = CheckpointStore._read_entry
+
+    def counted(store: CheckpointStore, path: str, entry: Any, keep: bool) -> bytes:
+        if path.startswith(copy_dir):
+            reads.append(entry["name"])
+        return read_entry(store, path, entry, keep)
+
+    monkeypatch.setattr(CheckpointStore, "_read_entry", counted)
+    again = started(*overrides(tmp_path))
+    assert again.state.step == 3 and resume_event(again.cfg.run.dir)["node_local"] is True
+    files = sorted(set(reads))
+    assert MODEL_FILE in files and sorted(reads) == files  # each once: it was twice (verify, then load)
 
 
 def test_a_damaged_node_local_copy_is_passed_over_for_the_durable_newest(started, tmp_path) -> None:

@@ -39,9 +39,9 @@ from fsspec.implementations.local import LocalFileSystem
 from elastic_qa.bench.checkpoint import model_configs, training_state
 from elastic_qa.bench.common import UsageError, alternate, new_parser, print_table, show, summary
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
+from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
-from elastic_qa.checkpoint.store import CheckpointStore, step_dir_name
+from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, ConfigError
 from elastic_qa.models import family_for
 
@@ -138,10 +138,11 @@ def one_rep(
         if node is None:
             figures["safe_after"] = figures["emergency_durable"]
         started = time.perf_counter()  # the restarted worker, once its process and group are up
-        if node is not None and node.newest() is not None:
+        # As a restore does: the copy verified once, its state files' bytes kept and loaded.
+        newest = node.newest(keep=STATE_FILES) if node is not None else None
+        if node is not None and newest is not None and newest.verdict is not None:
             local = Checkpointer(checkpoint_cfg, node.store)
-            path = node.store.path(step_dir_name(2))
-            loaded: LoadedCheckpoint | None = local.load_step(path, 2)
+            loaded: LoadedCheckpoint | None = local.load_verified(newest.path, newest.step, newest.verdict)
         else:
             loaded = checkpointer.load_newest()
         assert loaded is not None and loaded.step == 2

@@ -20,7 +20,13 @@ from elastic_qa.checkpoint.best import best_record, best_step
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, check_safe, cpu_copy
 from elastic_qa.checkpoint.policy import retained_steps
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, StaleWriterError, serialize
+from elastic_qa.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    StaleWriterError,
+    Verification,
+    serialize,
+)
 from elastic_qa.config import CheckpointConfig, format_duration
 from elastic_qa.observe.log import get_logger
 
@@ -263,6 +269,11 @@ class Checkpointer:
             verdict = self.store.verify(info_path, keep=STATE_FILES)
         except MemoryError:
             raise CheckpointError(f"{info_path}: too large to load into memory") from None
+        return self.load_verified(info_path, step, verdict)
+
+    def load_verified(self, info_path: str, step: int, verdict: Verification) -> LoadedCheckpoint:
+        """Load one checkpoint from a verification of it that kept the state files' bytes
+        (`store.verify(path, keep=STATE_FILES)`); the bytes are handed over, not copied."""
         if not verdict.ok:
             raise CheckpointError(verdict.reason)
         manifest = verdict.manifest

@@ -30,12 +30,12 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
+from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore, Verification
 from elastic_qa.config import CheckpointConfig, Config
 from elastic_qa.observe.log import get_logger
 
@@ -45,12 +45,17 @@ DEFAULT_ROOT = "/dev/shm/elastic_qa"
 
 @dataclass(frozen=True)
 class NodeLocalState:
-    """The newest copy on this node, verified: what a rank reports at restore."""
+    """The newest copy on this node, verified: what a rank reports at restore (`report`), and the
+    verification itself, with the bytes of the files asked for, for the load that may follow."""
 
     step: int
     attempt: int
     run: str
     path: str
+    verdict: Verification | None = field(default=None, repr=False, compare=False)
+
+    def report(self) -> dict[str, Any]:
+        return {"step": self.step, "attempt": self.attempt, "run": self.run, "path": self.path}
 
 
 def node_local_root(cfg: CheckpointConfig) -> str:
@@ -147,8 +152,9 @@ class NodeLocalCopy:
             raise CheckpointError(f"{directory} is not a directory of this user that only it can write")
 
     # ---- reading ------------------------------------------------------------------------------------
-    def newest(self) -> NodeLocalState | None:
-        """The newest copy on this node that verifies, or None (none, not ours, damaged: logged)."""
+    def newest(self, keep: Collection[str] = ()) -> NodeLocalState | None:
+        """The newest copy on this node that verifies, or None (none, not ours, damaged: logged); with the
+        verified bytes of the files in `keep` (a restore loads them, not reading and hashing them again)."""
         if not self.enabled or not os.path.isdir(self.directory):
             return None
         try:
@@ -160,14 +166,16 @@ class NodeLocalCopy:
         if not steps:
             return None
         info = steps[-1]
-        verdict = self.store.verify(info.path)
+        try:
+            verdict = self.store.verify(info.path, keep=keep)
+        except MemoryError:
+            verdict = Verification(False, "too large to hold in memory")
         manifest = verdict.manifest or {}
         if not verdict.ok:
             self.log.warning("node_local_rejected", step=info.step, path=info.path, reason=verdict.reason)
             return None
-        return NodeLocalState(
-            info.step, int(manifest.get("attempt", -1)), str(manifest.get("run", "")), info.path
-        )
+        attempt, run = int(manifest.get("attempt", -1)), str(manifest.get("run", ""))
+        return NodeLocalState(info.step, attempt, run, info.path, verdict if keep else None)
 
     # ---- removing -----------------------------------------------------------------------------------
     def remove(self) -> None:

@@ -17,7 +17,6 @@ once it is committed and verified).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -34,8 +33,8 @@ from elastic_qa import debug
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
-from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint, Rejection
-from elastic_qa.checkpoint.node_local import NodeLocalCopy
+from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer, LoadedCheckpoint, Rejection
+from elastic_qa.checkpoint.node_local import NodeLocalCopy, NodeLocalState
 from elastic_qa.checkpoint.payload import rng_state, versions
 from elastic_qa.checkpoint.policy import SaveSchedule
 from elastic_qa.checkpoint.run_record import (
@@ -134,6 +133,7 @@ class CheckpointSession:
         self.source: CheckpointLocation | None = None  # restored from checkpoint.resume_from, not our store
         self.from_node_local = False  # restored from the node-local copies, not from the store
         self._in_node_memory = -1  # the step an emergency save put in node memory
+        self._node_local_held: NodeLocalState | None = None  # this node's copy, verified at restore
         self.on_stall: Callable[[float], None] = on_stall or (lambda seconds: None)
 
     # ---- start-up -----------------------------------------------------------------------------------
@@ -141,8 +141,10 @@ class CheckpointSession:
         """Load the newest checkpoint that verifies (chosen by rank 0, loaded by all); writes nothing.
         A refusal (ResumeError) is raised on every rank with rank 0's message."""
         loaded: LoadedCheckpoint | None = None  # rank 0 loads it while choosing
-        newest = self.node_local.newest() if self.node_local else None
-        mine = None if newest is None else dataclasses.asdict(newest)
+        # Verified once, here, with the state files' bytes kept: a restore from this copy loads them.
+        newest = self.node_local.newest(keep=STATE_FILES) if self.node_local else None
+        self._node_local_held = newest
+        mine = None if newest is None else newest.report()
         copies = self._gather_json(mine) if self.ctx.distributed else [mine]
 
         def choose() -> RestoreChoice:
@@ -155,8 +157,11 @@ class CheckpointSession:
         choice = decide_on_rank0(self.ctx, self.control_group, choose, RestoreChoice, (ResumeError,))
         self.run_uuid = _uuid_of(choice.run_high, choice.run_low)
         self.from_node_local = choice.node_local
+        if not choice.node_local:
+            self._node_local_held = None  # not chosen: its bytes must not double a load from the store
         if choice.step >= 0 and loaded is None:
             loaded = self._load_chosen(choice.step, choice.from_source, choice.node_local)
+        self._node_local_held = None
         STARTUP.mark("restore_read")
         if loaded is not None:
             self.state.load_state_dict(loaded)
@@ -178,6 +183,9 @@ class CheckpointSession:
     def _load_node_local(self, step: int) -> LoadedCheckpoint:
         assert self.node_local is not None  # chosen only when every rank reported a copy
         copies = Checkpointer(self.cfg.checkpoint, self.node_local.store)
+        held, self._node_local_held = self._node_local_held, None
+        if held is not None and held.step == step and held.verdict is not None:
+            return copies.load_verified(held.path, step, held.verdict)  # verified by `newest` just now
         return copies.load_step(self.node_local.store.path(step_dir_name(step)), step)
 
     def _choose_node_local(self, copies: list[dict[str, Any] | None]) -> LoadedCheckpoint | None:
@@ -223,7 +231,9 @@ class CheckpointSession:
                     f"(newest: step {foreign[-1].step}); use a new run.dir or checkpoint.dir, or resume them"
                 )
         self.rejected, self.source, self.from_node_local = [], None, False
-        loaded = self._choose_node_local(copies) or self.checkpointer.load_newest(self.rejected)
+        loaded = self._choose_node_local(copies)
+        self._node_local_held = None  # loaded, or not chosen: its bytes must not double a load from the store
+        loaded = loaded or self.checkpointer.load_newest(self.rejected)
         if loaded is None and cfg.checkpoint.resume_from:
             loaded = self._load_resume_from()
         elif loaded is not None and cfg.checkpoint.resume_from:  # a restart: its own work is newer
