@@ -320,6 +320,12 @@ def exit_process(code: int) -> NoReturn:
     (join our own non-daemon threads, such as a checkpoint write; run the atexit handlers; flush) and
     leave with os._exit.
     """
+    finish_process()
+    os._exit(code)
+
+
+def finish_process() -> None:
+    """What a normal exit does that matters (exit_process), short of leaving."""
     # Executors' idle workers (inductor compiles in a ThreadPoolExecutor) wait for work until told that the
     # interpreter exits, which finalisation does before it joins threads: so do we, or the join never ends.
     concurrent.futures.thread._python_exit()
@@ -330,4 +336,11 @@ def exit_process(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to save
             stream.flush()
-    os._exit(code)
+
+
+def forked_worker() -> bool:
+    """This process was started by multiprocessing (a warm worker: torchrun --start-method=forkserver),
+    not as an interpreter of its own."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None

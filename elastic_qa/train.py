@@ -14,6 +14,7 @@ from __future__ import annotations
 from elastic_qa.observe.startup import STARTUP, dynamo_warmup, structlog_without_rich
 
 if __name__ == "__main__":  # a worker process of its own, not an import by the Python API
+    STARTUP.begin()  # a warm worker (a fork of a forkserver that imported this) starts its clock now
     structlog_without_rich()
 # isort: on
 import argparse
@@ -29,7 +30,15 @@ from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import suspicious_settings
 from elastic_qa.data.examples import DataError
-from elastic_qa.dist import exit_process, init_distributed, set_threads, shutdown, under_torchrun_agent
+from elastic_qa.dist import (
+    exit_process,
+    finish_process,
+    forked_worker,
+    init_distributed,
+    set_threads,
+    shutdown,
+    under_torchrun_agent,
+)
 from elastic_qa.elastic.control import PeerFailure
 from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.elastic.session import FinalStateError
@@ -207,4 +216,9 @@ def _restart_count() -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    code = main()
+    if code != 0 or not forked_worker():
+        exit_process(code)
+    # A warm worker that ends well returns: torchrun waits for its function's return value, and
+    # multiprocessing then ends the process with os._exit, past the finalisation exit_process avoids.
+    finish_process()

@@ -22,11 +22,11 @@ from elastic_qa.chaos.evidence import run_config
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.launcher.processes import (
     alive,
-    children,
     cmdline,
     kill_trees,
     python_env,
     tied_to_this_process,
+    workers_of,
 )
 from elastic_qa.observe.follow import LogFollower
 
@@ -140,7 +140,7 @@ class Job:
         return [a for a in self.agents() if a["alive"]]
 
     def workers(self, agent: dict) -> list[int]:
-        return [pid for pid in children(agent["pid"]) if alive(pid)]
+        return [pid for pid in workers_of(agent["pid"]) if alive(pid)]
 
     def join(self) -> int:
         result = subprocess.run(

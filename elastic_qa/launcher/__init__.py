@@ -5,6 +5,9 @@
 
 local.py is the local command; node.py the per-host one, with netplan.py deciding and checking its network
 settings; rendezvous.py holds the rendezvous settings and their trade-offs; loopback.py runs torchrun and
-every worker with the TCP stores they host bound to loopback; processes.py finds the job's processes. The
-core packages never import this one.
+every worker with the TCP stores they host bound to loopback; processes.py finds the job's processes;
+warm_start.py is what each agent's forkserver imports so that its workers start warm. The core packages
+never import this one.
 """
+
+PRELOAD_FLAG = "--preload="  # loopback.py's first argument in an agent whose workers are forkserver forks

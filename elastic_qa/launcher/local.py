@@ -36,6 +36,7 @@ from elastic_qa.config_changes import config_changes, data_refusal, refusal, sus
 from elastic_qa.data.examples import DataError
 from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.launcher import PRELOAD_FLAG
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
 from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S, rdzv_conf
@@ -57,6 +58,9 @@ from elastic_qa.observe.trackers import check_installed as check_trackers_instal
 from elastic_qa.run_length import end_step, length_text
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_FILE = Path(__file__).with_name("loopback.py")  # ON_LOOPBACK, run as a file by a forked worker
+WARM_PRELOAD = "elastic_qa.launcher.warm_start"  # what each agent's forkserver imports for its workers
+COLD_WORKERS_ENV = "ELASTIC_QA_COLD_WORKERS"  # 1: each worker is a new interpreter (no forkserver)
 # Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
 ON_LOOPBACK = "elastic_qa.launcher.loopback"
 PRIVATE_UMASK = 0o077
@@ -113,11 +117,23 @@ def write_job(run_dir: Path, job: dict) -> None:
 
 
 def agent_command(job: dict, is_host: bool) -> list[str]:
-    """torchrun, and each worker it starts, run through ON_LOOPBACK: their stores bind loopback."""
+    """torchrun, and each worker it starts, run through ON_LOOPBACK: their stores bind loopback.
+
+    With warm workers (the default: `job["warm_preload"]`, see `warm_preload`) the agent's workers are
+    forks of a forkserver that has imported torch and the trainer once (elastic_qa.launcher.warm_start),
+    each running ON_LOOPBACK's file (`--run-path`); without, each worker is a new interpreter:
+    `python -u -m ON_LOOPBACK MODULE`.
+    """
+    modules = job.get("warm_preload") or []  # launch.json files written before warm workers lack it
+    preload = [f"{PRELOAD_FLAG}{','.join(modules)}"] if modules else []
+    worker = ["--module", ON_LOOPBACK]
+    if modules:
+        worker = ["--start-method=forkserver", "--run-path", str(LOOPBACK_FILE)]
     return [
         sys.executable,
         "-m",
         ON_LOOPBACK,
+        *preload,
         "torch.distributed.run",
         f"--nnodes={job['min']}:{job['max']}",
         f"--nproc_per_node={job['nproc_per_node']}",
@@ -129,14 +145,21 @@ def agent_command(job: dict, is_host: bool) -> list[str]:
         f"--monitor-interval={MONITOR_INTERVAL_S}",
         # The workers' MASTER_ADDR (rank 0's store), instead of this host's name.
         f"--local_addr={LOOPBACK}",
-        # Each worker is `python -u -m ON_LOOPBACK MODULE ...`: `python -m MODULE ...`, its store on loopback.
-        "--module",
-        ON_LOOPBACK,
+        # Each worker runs ON_LOOPBACK MODULE ...: `python -m MODULE ...`, its store on loopback.
+        *worker,
         job.get("module", WORKER_MODULE),  # launch.json files written before --module existed lack it
         "--config",
         job["config"],
         *job["overrides"],
     ]
+
+
+def warm_preload(cfg: Config) -> list[str]:
+    """What each agent's forkserver imports for its warm workers: torch and the trainer, and transformers
+    for a pretrained encoder (~2 s of each restart otherwise); none with ELASTIC_QA_COLD_WORKERS=1."""
+    if os.environ.get(COLD_WORKERS_ENV, "") not in ("", "0"):
+        return []
+    return [WARM_PRELOAD, *(["elastic_qa.models.hf"] if cfg.model.kind == "hf" else [])]
 
 
 def loopback_env() -> dict[str, str]:
@@ -268,6 +291,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         "overrides": args.overrides,
         "module": args.module,
         "private": cfg.run.private,  # join/leave/stop write files too
+        "warm_preload": warm_preload(cfg),
         "agents": [],
     }
     started_at = time.time()

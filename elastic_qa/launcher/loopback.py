@@ -1,6 +1,10 @@
 """Run a Python module with the TCP stores it hosts listening on loopback only.
 
     python -m elastic_qa.launcher.loopback MODULE [ARGS ...]   # `python -m MODULE ARGS ...`, plus this
+    python -m elastic_qa.launcher.loopback --preload=M1,M2 torch.distributed.run ...   # an agent whose
+        workers are forks of a forkserver that imported M1, M2 (torchrun --start-method=forkserver)
+
+Run as a file (torchrun --run-path runs this file in each forked worker) it does the same.
 
 Why: a torch 2.13 TCPStore server listens on every interface ("::", dual stack) whatever host it is
 given: the host only tells clients where to connect, and no environment variable changes the bind. Its
@@ -21,13 +25,17 @@ from __future__ import annotations
 import errno
 import importlib
 import ipaddress
+import multiprocessing
 import runpy
 import socket
 import sys
+import warnings
 from datetime import timedelta
 from typing import TypedDict
 
 from torch.distributed import TCPStore
+
+from elastic_qa.launcher import PRELOAD_FLAG
 
 
 def loopback_listener(host: str, port: int) -> socket.socket | None:
@@ -123,10 +131,18 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0].startswith(PRELOAD_FLAG):
+        # The agent of a job with warm workers: its forkserver, which forks every worker, imports these
+        # first (elastic_qa.launcher.warm_start). Set before torchrun starts the forkserver.
+        multiprocessing.set_forkserver_preload(argv[0].removeprefix(PRELOAD_FLAG).split(","))
+        argv = argv[1:]
     if not argv:
-        raise SystemExit("usage: python -m elastic_qa.launcher.loopback MODULE [ARGS ...]")
+        usage = f"python -m elastic_qa.launcher.loopback [{PRELOAD_FLAG}MODULES] MODULE [ARGS ...]"
+        raise SystemExit(f"usage: {usage}")
     install()
     sys.argv = argv
+    # A warm worker's forkserver imported the module already (as itself, not as __main__): runpy warns.
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 

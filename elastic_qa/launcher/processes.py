@@ -41,6 +41,21 @@ def children(pid: int) -> list[int]:
     return sorted(found)
 
 
+def workers_of(agent_pid: int) -> list[int]:
+    """The worker processes of a torchrun agent: its children, or, with warm workers (torchrun
+    --start-method=forkserver), the children of its multiprocessing forkserver; the resource tracker
+    that multiprocessing starts beside the forkserver is no worker. A forked worker's command line is
+    the forkserver's: it is told apart by its parent, not by its command line."""
+    found = []
+    for pid in children(agent_pid):
+        line = " ".join(cmdline(pid))
+        if "multiprocessing.forkserver" in line:
+            found += children(pid)
+        elif "multiprocessing.resource_tracker" not in line:
+            found.append(pid)
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process under `pid`: children, their children, and so on."""
     found, frontier = [], [pid]
