@@ -28,7 +28,7 @@ from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import StepBatch, build_train_loader
-from elastic_qa.dist import DistContext, unwrap
+from elastic_qa.dist import DistContext, forked_worker, unwrap
 from elastic_qa.elastic.control import (
     ControlPlane,
     Decision,
@@ -274,7 +274,8 @@ class Trainer:
         STARTUP.mark("first_step")
         STARTUP.reported = True
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        self.log.info("startup", step=self.state.step, restart_count=restart, **STARTUP.fields())
+        warm = forked_worker()  # a fork of the agent's forkserver, its imports done (launcher/warm_start.py)
+        self.log.info("startup", step=self.state.step, restart_count=restart, warm=warm, **STARTUP.fields())
 
     def _evaluate(self) -> dict[str, float] | None:
         return self.scoring.run(unwrap(self.model), self.trackers)

@@ -10,4 +10,9 @@ warm_start.py is what each agent's forkserver imports so that its workers start 
 never import this one.
 """
 
+from pathlib import Path
+
+# Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
+ON_LOOPBACK = "elastic_qa.launcher.loopback"
+LOOPBACK_FILE = Path(__file__).with_name("loopback.py")  # ON_LOOPBACK, run as a file by a forked worker
 PRELOAD_FLAG = "--preload="  # loopback.py's first argument in an agent whose workers are forkserver forks

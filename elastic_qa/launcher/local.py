@@ -36,7 +36,7 @@ from elastic_qa.config_changes import config_changes, data_refusal, refusal, sus
 from elastic_qa.data.examples import DataError
 from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.exits import EXIT_BAD_INPUT
-from elastic_qa.launcher import PRELOAD_FLAG
+from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
 from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S, rdzv_conf
@@ -58,11 +58,8 @@ from elastic_qa.observe.trackers import check_installed as check_trackers_instal
 from elastic_qa.run_length import end_step, length_text
 
 LOOPBACK = "127.0.0.1"
-LOOPBACK_FILE = Path(__file__).with_name("loopback.py")  # ON_LOOPBACK, run as a file by a forked worker
 WARM_PRELOAD = "elastic_qa.launcher.warm_start"  # what each agent's forkserver imports for its workers
 COLD_WORKERS_ENV = "ELASTIC_QA_COLD_WORKERS"  # 1: each worker is a new interpreter (no forkserver)
-# Runs a module (torchrun itself, then each worker) with the TCP stores it hosts bound to loopback.
-ON_LOOPBACK = "elastic_qa.launcher.loopback"
 PRIVATE_UMASK = 0o077
 
 
@@ -154,10 +151,12 @@ def agent_command(job: dict, is_host: bool) -> list[str]:
     ]
 
 
-def warm_preload(cfg: Config) -> list[str]:
+def warm_preload(cfg: Config, module: str) -> list[str]:
     """What each agent's forkserver imports for its warm workers: torch and the trainer, and transformers
-    for a pretrained encoder (~2 s of each restart otherwise); none with ELASTIC_QA_COLD_WORKERS=1."""
-    if os.environ.get(COLD_WORKERS_ENV, "") not in ("", "0"):
+    for a pretrained encoder (~2 s of each restart otherwise). None (each worker a new interpreter, as
+    torchrun starts one by default) with ELASTIC_QA_COLD_WORKERS=1, or for a worker module of the user's
+    own (`--module`; the benchmarks' bare floor is one): what it imports is not known here."""
+    if os.environ.get(COLD_WORKERS_ENV, "") not in ("", "0") or module != WORKER_MODULE:
         return []
     return [WARM_PRELOAD, *(["elastic_qa.models.hf"] if cfg.model.kind == "hf" else [])]
 
@@ -291,7 +290,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         "overrides": args.overrides,
         "module": args.module,
         "private": cfg.run.private,  # join/leave/stop write files too
-        "warm_preload": warm_preload(cfg),
+        "warm_preload": warm_preload(cfg, args.module),
         "agents": [],
     }
     started_at = time.time()

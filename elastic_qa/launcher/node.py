@@ -44,13 +44,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
+from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint, plan_network
-from elastic_qa.launcher.processes import children, kill_trees, python_env, tied_to_this_process
+from elastic_qa.launcher.processes import kill_trees, python_env, tied_to_this_process, workers_of
 from elastic_qa.launcher.rendezvous import (
     JOIN_TIMEOUT_S,
     LAST_CALL_TIMEOUT_S,
@@ -111,11 +113,21 @@ def rendezvous_conf(backend: str, store_host: bool) -> str:
     return f"last_call_timeout={LAST_CALL_TIMEOUT_S}"
 
 
-def torchrun_command(args: argparse.Namespace, plan: NetworkPlan, rdzv_id: str) -> list[str]:
+def torchrun_command(
+    args: argparse.Namespace, plan: NetworkPlan, rdzv_id: str, preload: Sequence[str] = ()
+) -> list[str]:
+    """torchrun for this node; with `preload` (warm workers, launcher/local.py `warm_preload`) the agent
+    runs through the loopback wrapper, which gives its forkserver those imports, and each worker is a fork
+    of it running the wrapper's file (which leaves stores on any address but a loopback one as torch has
+    them)."""
+    agent = [sys.executable, "-m", "torch.distributed.run"]
+    worker = ["-m", args.module]
+    if preload:
+        modules = f"{PRELOAD_FLAG}{','.join(preload)}"
+        agent = [sys.executable, "-m", ON_LOOPBACK, modules, "torch.distributed.run"]
+        worker = ["--start-method=forkserver", "--run-path", str(LOOPBACK_FILE), args.module]
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *agent,
         f"--nnodes={args.nnodes}",
         f"--nproc_per_node={args.nproc_per_node}",
         f"--rdzv_backend={args.rdzv_backend}",
@@ -125,8 +137,7 @@ def torchrun_command(args: argparse.Namespace, plan: NetworkPlan, rdzv_id: str) 
         f"--max-restarts={args.max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL_S}",
         f"--local_addr={plan.local_addr}",
-        "-m",
-        args.module,
+        *worker,
         "--config",
         args.config,
         *args.overrides,
@@ -196,7 +207,7 @@ def wait_for_store(endpoint: Endpoint, timeout_s: float, stopped_by: list[int], 
 def watch_for_peers(endpoint: Endpoint, agent: subprocess.Popen, nnodes: str, log: NodeLog) -> None:
     """Say once that the agent waits for its peers: its store answers and no worker has started."""
     while agent.poll() is None:
-        if children(agent.pid):
+        if workers_of(agent.pid):
             return
         if store_answers(endpoint.host, endpoint.port):
             log("waiting_for_peers", endpoint=str(endpoint), nnodes=nnodes, join_timeout_s=JOIN_TIMEOUT_S)
@@ -214,7 +225,7 @@ def wait_for_agent(agent: subprocess.Popen, stopped_by: list[int], log: NodeLog)
         except subprocess.TimeoutExpired:
             pass
         if stopped_by and deadline is None:
-            training = bool(children(agent.pid))
+            training = bool(workers_of(agent.pid))
             grace = STOP_GRACE_TRAINING_S if training else STOP_GRACE_IDLE_S
             deadline = time.monotonic() + grace
             log("stopping", signal=signal.Signals(stopped_by[0]).name, training=training, grace_s=grace)
@@ -259,7 +270,7 @@ def run_node(args: argparse.Namespace) -> int:
         check_store_endpoint(endpoint, plan.endpoint_address, args.store_host)
     # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
     from elastic_qa.elastic.hold import RunHeldError, RunHold
-    from elastic_qa.launcher.local import check_inputs
+    from elastic_qa.launcher.local import check_inputs, warm_preload
 
     cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
     run_dir = Path(cfg.run.dir)
@@ -272,7 +283,7 @@ def run_node(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
         pass
-    command = torchrun_command(args, plan, rdzv_id)
+    command = torchrun_command(args, plan, rdzv_id, warm_preload(cfg, args.module))
     env = {
         **python_env(),
         **plan.env,

@@ -28,6 +28,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.dist import usable_cores
 from elastic_qa.holds import arm, release
+from elastic_qa.launcher.local import COLD_WORKERS_ENV
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
@@ -136,8 +137,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict
     return checked_final_parameters(run_dir, MAX_STEPS)
 
 
-def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Path, reference: dict) -> None:
-    # The reference fixture already ran two agents to the end; check what a user sees on a fresh run.
+def test_two_agents_train_to_the_end_and_report_em(
+    tmp_path: Path, cache_dir: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reference fixture already ran two agents to the end, warm (the default); check what a user sees
+    # on a fresh run, with each worker a new interpreter: the launcher's other way to start workers.
+    monkeypatch.setenv(COLD_WORKERS_ENV, "1")
     job = run_job(tmp_path / "run", cache_dir, "train.max_steps=10", "log.console=plain")
     assert finish(job) == 0
     events = read_events(tmp_path / "run")
@@ -148,6 +153,7 @@ def test_two_agents_train_to_the_end_and_report_em(tmp_path: Path, cache_dir: Pa
     # Each agent's torchrun has a local world of one, yet the two ranks share this host's cores.
     starts = [e for e in events if e["event"] == "worker_start"]
     assert len(starts) == 2 and {e["threads"] for e in starts} == {max(1, usable_cores() // 2)}
+    assert [e["warm"] for e in events if e["event"] == "startup"] == [False, False]
 
 
 def test_bf16_autocast_and_bf16_gradient_compression_train_under_torchrun(
@@ -171,6 +177,9 @@ def test_kill_worker_resumes_from_emergency_checkpoint_and_sees_each_sample_once
     emergency = [e for e in result["events"] if e["event"] == "emergency_checkpoint"]
     assert emergency and emergency[0]["step"] == 25
     assert world_sizes(result["events"]) == [2, 2]
+    # Every worker, the restarted group's too, was a fork of its agent's forkserver (warm workers).
+    startups = [e for e in result["events"] if e["event"] == "startup"]
+    assert {e["restart_count"] for e in startups} == {0, 1} and all(e["warm"] for e in startups)
 
 
 def test_node_loss_with_three_agents_regroups_at_two(

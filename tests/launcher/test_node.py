@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.exits import UsageError
+from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint
 from elastic_qa.launcher.node import (
     STOP_GRACE_IDLE_S,
@@ -70,6 +71,12 @@ def test_torchrun_gets_the_planned_local_address_and_the_overrides() -> None:
     assert "--local_addr=10.0.0.1" in command and "--rdzv_id=job" in command
     assert "--rdzv_endpoint=10.0.0.1:29400" in command
     assert command[-4:] == ["elastic_qa.train", "--config", "tiny", "a.b=1"]
+    # Warm workers: the agent's forkserver imports the preload; each worker runs the loopback file.
+    preload = "elastic_qa.launcher.warm_start"
+    warm = torchrun_command(args, plan, "job", [preload])
+    assert warm[1:5] == ["-m", ON_LOOPBACK, f"--preload={preload}", "torch.distributed.run"]
+    assert "--start-method=forkserver" in warm and "-m" not in warm[5:]
+    assert warm[-6:] == ["--run-path", str(LOOPBACK_FILE), "elastic_qa.train", "--config", "tiny", "a.b=1"]
 
 
 class Log(list):
