@@ -20,6 +20,7 @@ Standard library only: the data cache and the launcher use it without torch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import time
@@ -62,15 +63,56 @@ def start_time(pid: int) -> int | None:
 
 
 def torchrun_agent_pid() -> int | None:
-    """The pid of the live torchrun agent that started this process (its parent), else None.
+    """The pid of the live torchrun agent that started this process, else None (see `agent_lineage`)."""
+    lineage = agent_lineage()
+    return lineage[-1] if lineage else None
+
+
+def agent_lineage() -> list[int] | None:
+    """The processes between this one and the torchrun agent that started it, the agent last: [agent]
+    for a worker the agent spawned; [forkserver, agent] for a warm worker, forked by the agent's
+    multiprocessing forkserver (launcher/warm_start.py). None outside torchrun.
 
     Call it at start-up, before the agent can have died. A parent that is pid 1 is no agent to watch:
     either the process was re-parented already (to init) or the agent is the container's init, whose
     end ends every process in it. A parent that is a subreaper cannot be told from outside, but neither
-    does it change while the process lives, which is all the watchdog looks for.
+    does it change while the process lives, which is all the watchdog looks for. The forkserver does not
+    end with the agent (each worker holds the pipe whose closing would tell it), so a warm worker watches
+    the forkserver's parent as well as its own.
     """
     parent = os.getppid()
-    return parent if "TORCHELASTIC_RUN_ID" in os.environ and parent > 1 else None
+    if "TORCHELASTIC_RUN_ID" not in os.environ or parent <= 1:
+        return None
+    if not is_forkserver(parent):
+        return [parent]
+    agent = parent_pid(parent)
+    return [parent, agent] if agent is not None and agent > 1 else None
+
+
+def lineage_intact(lineage: list[int]) -> bool:
+    """Whether each process of `agent_lineage()`'s answer is still the parent of the one before it."""
+    return os.getppid() == lineage[0] and all(
+        parent_pid(child) == parent for child, parent in itertools.pairwise(lineage)
+    )
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (field 4 of /proc/<pid>/stat), or None when it is gone or /proc cannot say."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 2 or fields[0] == "Z":
+        return None
+    with contextlib.suppress(ValueError):
+        return int(fields[1])
+    return None
+
+
+def is_forkserver(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing forkserver (or a process it forked: they share its command line)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"multiprocessing.forkserver" in handle.read()
+    except OSError:
+        return False
 
 
 def pid_runs(pid: int) -> bool:

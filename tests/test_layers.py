@@ -40,6 +40,7 @@ ENTRY_USES = {
     "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve"},
     "bench": {"chaos", "launcher"},
     "chaos": {"launcher"},
+    "launcher": {"train"},  # launcher/warm_start.py: the forkserver imports the worker for its forks
     "api": {"train", "cli", "launcher"},
 }
 FACADE = {("elastic_qa", "api")}  # the package root re-exports the Python API, imported on first use

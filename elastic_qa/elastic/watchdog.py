@@ -23,7 +23,7 @@ from datetime import timedelta
 
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.exits import EXIT_AGENT_LOST
-from elastic_qa.liveness import torchrun_agent_pid
+from elastic_qa.liveness import agent_lineage, lineage_intact
 from elastic_qa.observe.log import get_logger
 
 
@@ -42,7 +42,8 @@ class AgentWatchdog:
         self.grace_s = grace.total_seconds()
         self.save_limit_s = save_limit.total_seconds()
         self.stop_request = stop_request
-        self.parent = torchrun_agent_pid()
+        self.lineage = agent_lineage()  # [agent], or [forkserver, agent] for a warm worker
+        self.parent = self.lineage[-1] if self.lineage else None  # the agent
         self.lost = False  # the agent died: the process must leave, with EXIT_AGENT_LOST
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="agent-watchdog", daemon=True)
@@ -60,8 +61,9 @@ class AgentWatchdog:
         self._stop.set()
 
     def _run(self) -> None:
+        assert self.lineage is not None  # started only when active
         while not self._stop.wait(self.interval_s):
-            if os.getppid() != self.parent:
+            if not lineage_intact(self.lineage):
                 self._agent_lost()
                 return
 

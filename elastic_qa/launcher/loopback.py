@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import importlib
 import ipaddress
+import logging
 import multiprocessing
 import runpy
 import socket
@@ -130,6 +131,27 @@ def install() -> None:
         setattr(module, "TCPStore", LoopbackTCPStore)  # noqa: B010 (ModuleType declares no TCPStore)
 
 
+def keep_signals_through_logging() -> None:
+    """Let torchrun's stop signal through a log write that it interrupts.
+
+    torchrun's agent turns SIGTERM into a SignalException raised from its signal handler, and stops its
+    workers when that reaches its run loop. If the signal lands while the agent writes a log record (its
+    "failed (exitcode ...)" line with a traceback as a group ends, for instance), the exception is raised
+    inside the handler's `emit`, and logging's `handleError` prints "--- Logging error ---" and carries on:
+    the stop is lost. Seen here: `launcher stop` during a regroup, and the agent trained on to the last step.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    swallow = logging.Handler.handleError
+
+    def handle_error(handler: logging.Handler, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], SignalException):
+            raise  # the SignalException that emit's `except` is handling
+        swallow(handler, record)
+
+    logging.Handler.handleError = handle_error  # type: ignore[method-assign,assignment]
+
+
 def main(argv: list[str]) -> None:
     if argv and argv[0].startswith(PRELOAD_FLAG):
         # The agent of a job with warm workers: its forkserver, which forks every worker, imports these
@@ -140,6 +162,8 @@ def main(argv: list[str]) -> None:
         usage = f"python -m elastic_qa.launcher.loopback [{PRELOAD_FLAG}MODULES] MODULE [ARGS ...]"
         raise SystemExit(f"usage: {usage}")
     install()
+    if argv[0] == "torch.distributed.run":
+        keep_signals_through_logging()
     sys.argv = argv
     # A warm worker's forkserver imported the module already (as itself, not as __main__): runpy warns.
     warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import elastic_qa
+from elastic_qa.liveness import is_forkserver
 from elastic_qa.liveness import pid_runs as alive
 
 PR_SET_PDEATHSIG = 1
@@ -48,10 +49,9 @@ def workers_of(agent_pid: int) -> list[int]:
     the forkserver's: it is told apart by its parent, not by its command line."""
     found = []
     for pid in children(agent_pid):
-        line = " ".join(cmdline(pid))
-        if "multiprocessing.forkserver" in line:
+        if is_forkserver(pid):
             found += children(pid)
-        elif "multiprocessing.resource_tracker" not in line:
+        elif not any("multiprocessing.resource_tracker" in part for part in cmdline(pid)):
             found.append(pid)
     return found
 
