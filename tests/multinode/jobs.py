@@ -101,15 +101,26 @@ def start_nodes(
     return nodes
 
 
-def newest_step(run_dir: Path) -> int:
-    return max((e["step"] for e in read_events(run_dir) if e.get("event") == "step"), default=0)
+def newest_step(run_dir: Path, world_size: int | None = None) -> int:
+    """The newest step trained (by a group of `world_size`, when given)."""
+    steps = [e for e in read_events(run_dir) if e.get("event") == "step"]
+    return max((e["step"] for e in steps if world_size in (None, e.get("world_size"))), default=0)
 
 
-def wait_for_step(run_dir: Path, step: int, nodes: dict[int, subprocess.Popen], timeout: float = 120) -> None:
+def wait_for_step(
+    run_dir: Path,
+    step: int,
+    nodes: dict[int, subprocess.Popen],
+    timeout: float = 120,
+    world_size: int | None = None,
+) -> None:
+    """Until a group (of `world_size`, when given: hosts that start together may first form a smaller
+    one, when the last of them reach the rendezvous after its last call) has trained `step`."""
     deadline = time.monotonic() + timeout
-    while newest_step(run_dir) < step:
+    while newest_step(run_dir, world_size) < step:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"step {step} not reached in {timeout} s (newest: {newest_step(run_dir)})")
+            newest = newest_step(run_dir, world_size)
+            raise TimeoutError(f"step {step}, world {world_size}: not reached in {timeout} s ({newest})")
         if all(node.poll() is not None for node in nodes.values()):
             raise RuntimeError(f"every node exited before step {step}: {codes(nodes)}")
         time.sleep(0.1)

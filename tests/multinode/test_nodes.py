@@ -50,7 +50,7 @@ def run_with_host_loss(run_dir: Path, cache: Path, backend: str, victim: int) ->
         if backend == "etcd-v2":
             start_etcd(cluster, run_dir.parent / "etcd-data")
         nodes = start_nodes(cluster, run_dir, cache, backend)
-        wait_for_step(run_dir, KILL_AT_STEP, nodes)
+        wait_for_step(run_dir, KILL_AT_STEP, nodes, world_size=3)
         cluster.kill_host(victim)
         survivors = {i: node for i, node in nodes.items() if i != victim}
         return {"codes": wait_all(survivors), "events": read_events(run_dir), "run_dir": run_dir}
@@ -58,13 +58,24 @@ def run_with_host_loss(run_dir: Path, cache: Path, backend: str, victim: int) ->
         cluster.down()
 
 
+def first_of_three(events: list[dict]) -> int:
+    """The attempt of the first group of all three hosts. Hosts started together may first form a smaller
+    group (those whose agents reached the rendezvous before its last call, on a loaded machine), which
+    the late ones then join: the job's own regroup, not the fault under test."""
+    starts = [e for e in events if e.get("event") == "worker_start"]
+    return min(e["attempt"] for e in starts if e["world_size"] == 3)
+
+
 def first_group(events: list[dict]) -> list[dict]:
-    first = min(e["attempt"] for e in events if e.get("event") == "worker_start")
+    first = first_of_three(events)
     return [e for e in events if e.get("event") == "worker_start" and e["attempt"] == first]
 
 
 def world_sizes(events: list[dict]) -> list[int]:
-    return [e["world_size"] for e in events if e.get("event") == "worker_start" and e.get("rank") == 0]
+    """The world size of each group from the first of three on (see `first_of_three`)."""
+    first = first_of_three(events)
+    starts = [e for e in events if e.get("event") == "worker_start" and e.get("rank") == 0]
+    return [e["world_size"] for e in starts if e["attempt"] >= first]
 
 
 def assert_exactly_once(run_dir: Path, max_lost: int) -> list[dict]:
@@ -73,10 +84,12 @@ def assert_exactly_once(run_dir: Path, max_lost: int) -> list[dict]:
     assert ledger.ok, ledger.problems
     assert ledger.steps == MAX_STEPS
     assert check_checkpoints(cfg) == []
-    runs = attempts(read_events(run_dir))
+    events = read_events(run_dir)
+    runs = attempts(events)
     regroups = [{"attempt": run["attempt"], "lost": steps_lost(runs, run)} for run in runs[1:]]
-    assert len(regroups) == 1, regroups
-    assert all(r["lost"] <= max_lost for r in regroups), regroups
+    assert all(r["lost"] <= max_lost for r in regroups), regroups  # the late hosts' joins too
+    regroups = [r for r in regroups if r["attempt"] > first_of_three(events)]
+    assert len(regroups) == 1, regroups  # the host's loss
     return regroups
 
 
