@@ -51,9 +51,16 @@ def workers_of(agent_pid: int) -> list[int]:
     for pid in children(agent_pid):
         if is_forkserver(pid):
             found += children(pid)
-        elif not any("multiprocessing.resource_tracker" in part for part in cmdline(pid)):
+        elif not is_resource_tracker(pid):
             found.append(pid)
     return found
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker: the process that unlinks the named semaphores
+    (and shared memory) a process registered with it once every process that could still use them is
+    gone, dead by SIGKILL included."""
+    return any("multiprocessing.resource_tracker" in part for part in cmdline(pid))
 
 
 def descendants(pid: int) -> list[int]:
@@ -99,14 +106,18 @@ def _signal(pid: int, signum: int) -> None:
 def kill_trees(roots: Iterable[int]) -> list[int]:
     """SIGKILL every process of the trees under `roots`, the roots too; return their pids. Each process is
     stopped (SIGSTOP) before its children are listed, so that none starts another (a torchrun agent
-    restarting its workers) between the listing and the kill."""
+    restarting its workers) between the listing and the kill. Multiprocessing resource trackers are spared:
+    a torchrun agent with warm workers registers named semaphores (/dev/shm/sem.mp-*) with one, which
+    unlinks them and exits once the rest of the tree is dead; killed too, they would stay in /dev/shm
+    until the machine reboots."""
     seen: list[int] = []
     frontier = [pid for pid in roots if alive(pid)]
     while frontier:
         for pid in frontier:
             _signal(pid, signal.SIGSTOP)
         seen += frontier
-        frontier = [kid for pid in frontier for kid in children(pid) if kid not in seen]
+        kids = [kid for pid in frontier for kid in children(pid) if kid not in seen]
+        frontier = [kid for kid in kids if not is_resource_tracker(kid)]
     for pid in seen:
         _signal(pid, signal.SIGKILL)
     return seen
