@@ -55,7 +55,7 @@ def run_agent(start_method: str, tmp_path: Path) -> tuple[subprocess.Popen, list
     )
     assert agent.stdout is not None
     workers = sorted(int(pid) for pid in agent.stdout.readline().split())
-    names = agent.stdout.readline().split()  # "/mp-...", or "None" (unnamed, without a forkserver)
+    names = agent.stdout.readline().split()  # "/mp-..." (named: not the fork start method)
     return agent, workers, [Path(f"/dev/shm/sem.{name[1:]}") for name in names if name != "None"]
 
 
