@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_qa.launcher.processes import is_resource_tracker
+
 HOSTNAME = "trainer"
 SUBNET = "10.91.0"
 ETCD_INDEX = 99  # the etcd server's host, 10.91.0.100, off the training hosts
@@ -119,8 +121,10 @@ class Cluster:
         return [int(pid) for pid in listed.stdout.split()]
 
     def kill_host(self, index: int, sig: int = signal.SIGKILL) -> list[int]:
-        """Every process of host `index` at once: the host is gone."""
-        pids = self.pids(index)
+        """Every process of host `index` at once: the host is gone. Its multiprocessing resource trackers
+        (no sockets) are spared: a real host's /dev/shm goes with it, this one's is the machine's, where
+        they unlink the agents' named semaphores once the rest is dead, then exit."""
+        pids = [pid for pid in self.pids(index) if not is_resource_tracker(pid)]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -130,6 +134,11 @@ class Cluster:
         """Kill what runs in the namespaces, then remove them and their /etc/netns files."""
         for index in self.indices:
             self.kill_host(index)
+        deadline = time.monotonic() + 10  # the trackers' clean-up (milliseconds), before the groups' kill
+        while any(is_resource_tracker(pid) for i in self.indices for pid in self.pids(i)):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
