@@ -106,12 +106,12 @@ def _signal(pid: int, signum: int) -> None:
 def kill_trees(roots: Iterable[int]) -> list[int]:
     """SIGKILL every process of the trees under `roots`, the roots too; return their pids. Each process is
     stopped (SIGSTOP) before its children are listed, so that none starts another (a torchrun agent
-    restarting its workers) between the listing and the kill. Multiprocessing resource trackers are spared:
-    a torchrun agent with warm workers registers named semaphores (/dev/shm/sem.mp-*) with one, which
-    unlinks them and exits once the rest of the tree is dead; killed too, they would stay in /dev/shm
-    until the machine reboots."""
+    restarting its workers) between the listing and the kill. Multiprocessing resource trackers are spared,
+    roots or not: a torchrun agent with warm workers registers named semaphores (/dev/shm/sem.mp-*) with
+    one, which unlinks them and exits once the rest of the tree is dead; killed too, they would stay in
+    /dev/shm until the machine reboots."""
     seen: list[int] = []
-    frontier = [pid for pid in roots if alive(pid)]
+    frontier = [pid for pid in roots if alive(pid) and not is_resource_tracker(pid)]
     while frontier:
         for pid in frontier:
             _signal(pid, signal.SIGSTOP)

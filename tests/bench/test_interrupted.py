@@ -3,7 +3,6 @@ process of the jobs it started: launcher, agents and workers all end with it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.launcher.processes import alive, cmdline, descendants, python_env, workers_of
+from elastic_qa.launcher.processes import alive, cmdline, descendants, kill_trees, python_env, workers_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.bench]
 
@@ -88,6 +87,4 @@ def test_a_recovery_benchmark_stopped_while_its_job_runs_leaves_no_process_of_it
     finally:
         if bench.poll() is None:
             bench.kill()
-        for pid in {*processes_of(run_dir), *job_tree(run_dir), *(pid for pid in job if alive(pid))}:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_trees([*processes_of(run_dir), *(pid for pid in job if alive(pid))])
