@@ -17,6 +17,7 @@ evaluation with the best tracker in loop/.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -160,6 +161,28 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        state = self.state
+        batches = self.begin()
+        try:
+            while state.step < state.end_step and not state.best.exhausted:
+                if self.run_step(batches).stop:
+                    return self._stop()
+            return self._finish()
+        except (RuntimeError, dist.DistBackendError) as err:
+            if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError | FinalStateError):
+                raise
+            self.control.enter(Phase.EMERGENCY)
+            with self.stop_request.saving():  # a SIGTERM or the agent watchdog waits for it
+                self.session.save_emergency(failure_reason(err))
+            raise PeerFailure(failure_reason(err)) from err
+        finally:
+            self.stop_request.uninstall()
+            if self.trackers:  # a no-op after _finish or _stop closed them
+                self.trackers.close(finished=False)
+
+    def begin(self) -> Iterator[StepBatch]:
+        """What the loop does once before its first step (signal handlers, loader, schedule); its batches.
+        Called by `train`, and by the interleaved overhead benchmark, which drives `run_step` itself."""
         cfg, state = self.cfg, self.state
         self.stop_request.install()
         loader = build_train_loader(
@@ -184,41 +207,31 @@ class Trainer:
         self.session.start_schedule()
         self.control.begin(state.step + 1)
         self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
-        batches = iter(loader)
-        try:
-            while state.step < state.end_step and not state.best.exhausted:
-                self.timer.start_step(state.step + 1)
-                batch = next(batches)
-                self.timer.mark("data")
-                if batch.step != state.step + 1:  # a loader bug would silently break exactly-once
-                    raise AssertionError(f"loader produced step {batch.step}, expected {state.step + 1}")
-                # Rank 0's timer is asked only on control steps: while saves fail, asking moves its back-off.
-                pending = self.control.start(
-                    batch.step,
-                    self.stop_request.notice(self.log),
-                    self.control.control_step(batch.step) and self.session.time_due(),
-                    self.timer.mean_step_s(),
-                )
-                if self.ledger:
-                    self.ledger.record(batch.step, batch.epoch, batch.indices)
-                if self.compile_watch:
-                    self.compile_watch.step_started()
-                stats, decision = self._train_step(batch, pending)
-                self._after_step(batch, stats, decision)
-                if decision.stop:
-                    return self._stop()
-            return self._finish()
-        except (RuntimeError, dist.DistBackendError) as err:
-            if not self.ctx.distributed or isinstance(err, CheckpointError | ResumeError | FinalStateError):
-                raise
-            self.control.enter(Phase.EMERGENCY)
-            with self.stop_request.saving():  # a SIGTERM or the agent watchdog waits for it
-                self.session.save_emergency(failure_reason(err))
-            raise PeerFailure(failure_reason(err)) from err
-        finally:
-            self.stop_request.uninstall()
-            if self.trackers:  # a no-op after _finish or _stop closed them
-                self.trackers.close(finished=False)
+        return iter(loader)
+
+    def run_step(self, batches: Iterator[StepBatch]) -> Decision:
+        """One step of the loop: train the next batch; log, evaluate and checkpoint as due; what the ranks
+        agreed (stop now?)."""
+        state = self.state
+        self.timer.start_step(state.step + 1)
+        batch = next(batches)
+        self.timer.mark("data")
+        if batch.step != state.step + 1:  # a loader bug would silently break exactly-once
+            raise AssertionError(f"loader produced step {batch.step}, expected {state.step + 1}")
+        # Rank 0's timer is asked only on control steps: while saves fail, asking moves its back-off.
+        pending = self.control.start(
+            batch.step,
+            self.stop_request.notice(self.log),
+            self.control.control_step(batch.step) and self.session.time_due(),
+            self.timer.mean_step_s(),
+        )
+        if self.ledger:
+            self.ledger.record(batch.step, batch.epoch, batch.indices)
+        if self.compile_watch:
+            self.compile_watch.step_started()
+        stats, decision = self._train_step(batch, pending)
+        self._after_step(batch, stats, decision)
+        return decision
 
     def _train_step(self, batch: StepBatch, pending: Any) -> tuple[StepStats, Decision]:
         model, device, state = self.model, self.device, self.state

@@ -25,6 +25,7 @@ from elastic_qa.observe.log import configure_logging
 USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/benchmarks.md).
 
     throughput   product loop vs a plain DDP loop (overhead ratio), optionally with async checkpoints
+    overhead     the product's step vs plain DDP steps, alternating inside the same processes
     compile      the product eager vs train.compile=true: steady-state steps/s, cold compile time
     checkpoint   training stall of an async save vs a synchronous save, default and ~10x model
     emergency    emergency save and restore to first step, with and without the node-local copy
@@ -48,6 +49,7 @@ run failed, 2 bad arguments, 130/143 stopped by Ctrl-C/SIGTERM (the runs it had 
 
 BENCHMARKS = (
     "throughput",
+    "overhead",
     "compile",
     "checkpoint",
     "emergency",

@@ -46,6 +46,53 @@ def test_throughput(tmp_path: Path, cache_dir: Path) -> None:
     assert result["variants"]["product"]["breakdown_ms"]["forward_backward_s"] > 0
 
 
+def test_overhead_times_every_side_in_the_same_job_and_the_product_trains_every_timed_step(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    sides = "skeleton,skeleton2,recipe,product"
+    result = bench(
+        tmp_path,
+        "overhead",
+        "--config",
+        "tiny",
+        "--reps",
+        "1",
+        "--rounds",
+        "3",
+        "--block",
+        "5",
+        "--sides",
+        sides,
+        f"data.cache_dir={cache_dir}",
+    )
+    assert result["settings"]["sides"] == sides.split(",") and result["settings"]["block"] == 5
+    (times,) = result["block_s"]
+    assert {side: len(blocks) for side, blocks in times.items()} == dict.fromkeys(sides.split(","), 3)
+    assert set(result["pooled"]) == {
+        "skeleton2/skeleton",
+        "recipe/skeleton",
+        "recipe/skeleton2",
+        "product/skeleton",
+        "product/skeleton2",
+        "product/recipe",
+    }
+    for key, pooled in result["pooled"].items():
+        later, earlier = key.split("/")
+        assert pooled["ratio_of_totals"] == pytest.approx(sum(times[later]) / sum(times[earlier]))
+        assert pooled["ci95"][0] <= pooled["ratio_of_totals"] <= pooled["ci95"][1]
+        assert pooled == result["per_rep"][0][key]  # one rep: pooled is that rep
+    assert result["goal"] == 1.02 and isinstance(result["goal_met"], bool)
+    # The product side is the real trainer: its step lines, up to the last of the 4 rounds' steps (with the
+    # warm-up round), in its own run directory.
+    logs = tmp_path / "work" / "rep-0" / "logs"
+    steps = [
+        row["step"]
+        for row in map(json.loads, "".join(f.read_text() for f in logs.glob("rank-000*")).splitlines())
+        if row["event"] == "step"
+    ]
+    assert steps == list(range(5, 4 * 5 + 1, 5))
+
+
 @pytest.mark.long  # two cold compiles of the tiny model: ~1 min on 2 cores, more under load
 def test_compile(tmp_path: Path, cache_dir: Path) -> None:
     result = bench(
@@ -204,6 +251,9 @@ def test_emergency_measures_both_variants_on_both_storages_and_leaves_no_node_lo
         ["emergency", "--slow-mbs", "0"],
         ["nosuch"],
         ["throughput", "--reps", "0"],
+        ["overhead", "--sides", "product"],
+        ["overhead", "--sides", "product,nosuch"],
+        ["overhead", "--sides", "product,product"],
         ["scaling", "--world-sizes", "one"],
         ["checkpoint", "--models", "huge"],
         ["checkpoint", "--model-dir", "/nonexistent/model"],
