@@ -248,7 +248,8 @@ class Trainer:
         )
         self.timer.mark("forward_backward")
         decision = self.control.finish(batch.step, pending)  # the last collective of the step
-        grad_norm = optimizer_step(state, self.trained, self.cfg.train.grad_clip)
+        logged = self._logs_line(batch.step)  # else, unless it clips, no step needs the gradient norm
+        grad_norm = optimizer_step(state, self.trained, self.cfg.train.grad_clip, norm_wanted=logged)
         # With no collective in between: every piece of state moves together.
         state.complete_step(batch.step, batch.epoch, batch.global_count, batch.global_tokens)
         self.timer.mark("optimizer")
@@ -259,7 +260,7 @@ class Trainer:
         if self.compile_watch and (news := self.compile_watch.news()):
             self.log.info("compile", step=step, **news)
         self.control.deliver()  # earlier steps' lines (and diagnosis), summed on this step's agreement
-        if step % cfg.log.every_steps == 0 or step == end:
+        if self._logs_line(step):
             rate = self.timer.samples_per_s(batch.global_count)
             self.step_log.step(self.state, batch.epoch, stats, rate, self.trackers, self.control.carry)
         self.timer.mark("log_and_save")
@@ -281,6 +282,10 @@ class Trainer:
         if debug.pauses(cfg):
             self.control.flush()  # this step's line before a debug hold, kill or delay (collective)
         debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
+
+    def _logs_line(self, step: int) -> bool:
+        """Whether `step` gets a `step` line (log.every_steps, and the last step)."""
+        return step % self.cfg.log.every_steps == 0 or step == self.state.end_step
 
     def _log_startup(self) -> None:
         """The `startup` event, once, after this process's first step (observe/startup.py)."""

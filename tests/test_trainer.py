@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.config import ConfigError, load_config, packaged_config
-from elastic_qa.loop.step import autocast_dtype, clip_gradients
+from elastic_qa.loop.step import autocast_dtype, clip_gradients, optimizer_step
 from elastic_qa.observe.follow import read_events
 from elastic_qa.optim import lr_multiplier
 from tests.conftest import tiny_overrides
@@ -150,6 +151,43 @@ def test_bf16_on_a_gpu_without_bf16_is_refused_at_start_up_naming_the_gpu(monkey
 
     with pytest.raises(ConfigError, match=r"train\.precision=bf16: Tesla K80 cannot compute in bf16"):
         autocast_dtype("bf16", torch.device("cuda", 0))
+
+
+def test_without_clipping_the_norm_is_computed_only_for_logged_steps_and_training_is_bitwise_the_same(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # Every step logged (the norm at every step) against every 7th (the norm at 7, 14, ... and the last):
+    # skipping the norm changes no gradient, so the same final parameters; each line has its norm.
+    runs = {}
+    for every in (1, 7):
+        run_dir = tmp_path / f"every-{every}"
+        train(run_dir, cache_dir, "train.grad_clip=0", f"log.every_steps={every}")
+        lines = [e for e in read_events(run_dir) if e["event"] == "step" and e["rank"] == 0]
+        assert [e["step"] for e in lines] == sorted({*range(every, STEPS + 1, every), STEPS})
+        assert all(e["grad_norm"] > 0 for e in lines)  # NaN, the placeholder of a skipped norm, fails
+        runs[every] = final_params(run_dir, cache_dir)
+    diff = parameter_difference(runs[7], runs[1])
+    assert diff["bitwise_equal"], diff
+
+
+def test_optimizer_step_skips_the_norm_only_when_it_neither_clips_nor_reports() -> None:
+    def state_and_params() -> tuple[SimpleNamespace, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(torch.ones(5))]
+        params[0].grad = torch.full((5,), 3.0)
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return SimpleNamespace(scaler=None, optimizer=optimizer, scheduler=scheduler), params
+
+    state, params = state_and_params()
+    assert optimizer_step(state, params, 0.0, norm_wanted=False) is None
+    assert torch.equal(params[0].data, torch.full((5,), 1 - 0.3))  # stepped, unclipped
+    state, params = state_and_params()
+    norm = optimizer_step(state, params, 1.0, norm_wanted=False)  # clipping needs the norm anyway
+    assert norm is not None and float(norm) == pytest.approx(3.0 * 5**0.5)
+    assert torch.allclose(params[0].data, torch.full((5,), 1 - 0.1 / 5**0.5))
+    state, params = state_and_params()
+    norm = optimizer_step(state, params, 0.0, norm_wanted=True)
+    assert norm is not None and float(norm) == pytest.approx(3.0 * 5**0.5)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6, float("inf")], ids=["clips", "within", "off"])

@@ -20,7 +20,7 @@ from elastic_qa.train_state import TrainState
 class StepStats(NamedTuple):
     loss_sum: torch.Tensor  # over this rank's windows (detached)
     samples: int  # this rank's samples (0 for an empty share)
-    grad_norm: torch.Tensor  # before clipping
+    grad_norm: torch.Tensor | None  # before clipping; None where nothing needed it (loop/step.py)
 
 
 # Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
@@ -49,7 +49,7 @@ class StepLog:
             "step": state.step,
             "epoch": epoch,
             "lr": float(state.scheduler.get_last_lr()[0]),  # a float already; torch types it float | Tensor
-            "grad_norm": float(stats.grad_norm),
+            "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else float("nan"),
             "samples_per_s": samples_per_s,
             "cursor": state.cursor.samples_consumed,
             "ts": round(time.time(), 6),  # when the step ended, not when its line is written
