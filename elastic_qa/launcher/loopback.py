@@ -152,6 +152,40 @@ def keep_signals_through_logging() -> None:
     logging.Handler.handleError = handle_error  # type: ignore[method-assign,assignment]
 
 
+class _RenderedException(logging.Filter):
+    """Render a record's exception as text before torch's formatter sees it (exceptions_without_dynamo)."""
+
+    _plain = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            if not record.exc_text:
+                record.exc_text = self._plain.formatException(record.exc_info)
+            record.exc_info = None  # the formatter appends exc_text as it is
+        return True
+
+
+def exceptions_without_dynamo() -> None:
+    """Keep `import torch._dynamo` out of the agent's restart of a failed worker group.
+
+    torch's log formatter (`TorchLogsFormatter`) imports torch._dynamo to read one setting the first time it
+    formats a record that carries an exception. torchrun's agent logs such a record when a worker started
+    with `--start-method=forkserver` (warm workers) fails, its "failed (exitcode ...)" line with the
+    traceback, between noticing the failure and restarting the group: the import took 1.3-1.6 s there
+    (sampled with py-spy: the agent's first failure line to its "will restart worker group" line), every
+    worker restart's first in an agent. A filter on torch's handlers renders the traceback first, with the
+    same `logging.Formatter.formatException` the formatter calls (the setting only matters for dynamo's own
+    graph-break records), so the line reads the same and nothing is imported.
+    """
+    from torch._logging._internal import TorchLogsFormatter
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler.formatter, TorchLogsFormatter):
+                handler.addFilter(_RenderedException())
+
+
 def main(argv: list[str]) -> None:
     if argv and argv[0].startswith(PRELOAD_FLAG):
         # The agent of a job with warm workers: its forkserver, which forks every worker, imports these
@@ -164,6 +198,7 @@ def main(argv: list[str]) -> None:
     install()
     if argv[0] == "torch.distributed.run":
         keep_signals_through_logging()
+        exceptions_without_dynamo()
     sys.argv = argv
     # A warm worker's forkserver imported the module already (as itself, not as __main__): runpy warns.
     warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging
 import signal
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -30,3 +32,42 @@ def test_a_stop_signal_inside_a_log_write_reaches_the_agent(monkeypatch: pytest.
     keep_signals_through_logging()
     with pytest.raises(SignalException):
         logger.warning("failed (exitcode: %s)", 75)
+
+
+# torchrun's agent, as the local launcher starts it, logs a worker failure with its traceback: in a fresh
+# interpreter, so that nothing imported torch._dynamo before.
+AGENT_FAILURE_LINE = """
+import logging, sys
+import torch.distributed.run
+from elastic_qa.launcher import loopback
+if sys.argv[1] == "filtered":
+    loopback.exceptions_without_dynamo()
+log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+try:
+    raise RuntimeError("worker 0 died")
+except RuntimeError:
+    log.exception("failed (exitcode: %s) local_rank: %s", -9, 0)
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_agents_failure_line_keeps_its_traceback_without_importing_dynamo(filtered: bool) -> None:
+    # torch's formatter imports torch._dynamo (1.3-1.6 s) for the first record with an exception: between a
+    # warm worker's failure and its group's restart. Unfiltered shows that the check can fail.
+    result = subprocess.run(
+        [sys.executable, "-c", AGENT_FAILURE_LINE, "filtered" if filtered else "plain"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"dynamo imported: {not filtered}"
+    lines = [line for line in result.stderr.splitlines() if "] " in line]
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "failed (exitcode: -9) local_rank: 0",
+        "Traceback (most recent call last):",
+        '  File "<string>", line 9, in <module>',
+        "RuntimeError: worker 0 died",
+    ]
+    assert all(line.startswith("E") for line in lines)  # torch's own prefix on every line, as before
