@@ -53,10 +53,10 @@ class ProductSide:
     """The real trainer, one step at a time; the time other sides ran in between is hidden from its step
     timer (its rate window decides how often the control all-reduce runs, and feeds the step line)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, data: PreparedData) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, data: PreparedData, stop: StopRequest) -> None:
         from elastic_qa.trainer import Trainer
 
-        self.trainer = Trainer(cfg, ctx, data, StopRequest())
+        self.trainer = Trainer(cfg, ctx, data, stop)
         self.trainer.start(benchmark="interleaved")
         self.batches = self.trainer.begin()
         self.paused_at: float | None = None
@@ -96,16 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare(cfg, family_for(cfg.model))
     ctx = init_distributed(cfg.dist)
     set_threads(cfg.train.threads, ctx)
-    # As elastic_qa.train runs it: the watchdog's thread is part of what a product process carries.
+    # As elastic_qa.train runs it: the watchdog's thread is part of what a product process carries, and it
+    # asks the trainer to stop through the same StopRequest.
+    stop = StopRequest()
     watchdog = AgentWatchdog(
-        cfg.dist.agent_check_interval,
-        cfg.dist.agent_lost_grace,
-        StopRequest(),
-        cfg.checkpoint.emergency_retry_for,
+        cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
     )
     watchdog.start()
     try:
-        steps, product = build_sides(cfg, ctx, data, sides)
+        steps, product = build_sides(cfg, ctx, data, sides, stop)
         times: dict[str, list[float]] = {side: [] for side in sides}
         for round_index in range(args.warmup_rounds + args.rounds):
             for side in order(sides, round_index):
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_sides(
-    cfg: Config, ctx: DistContext, data: PreparedData, sides: list[str]
+    cfg: Config, ctx: DistContext, data: PreparedData, sides: list[str], stop: StopRequest
 ) -> tuple[dict[str, Callable[[], Any]], ProductSide | None]:
     """Each side's one-step function, built in the order given (the product's trainer among them)."""
     from elastic_qa.bench.plain_ddp import Skeleton
@@ -151,7 +150,7 @@ def build_sides(
     product = None
     for side in sides:
         if side == "product":
-            product = ProductSide(cfg, ctx, data)
+            product = ProductSide(cfg, ctx, data, stop)
             steps[side] = product.step
         else:
             steps[side] = Skeleton(cfg, data, tuned=True, recipe_math=side == "recipe").step

@@ -172,12 +172,16 @@ def exceptions_without_dynamo() -> None:
     formats a record that carries an exception. torchrun's agent logs such a record when a worker started
     with `--start-method=forkserver` (warm workers) fails, its "failed (exitcode ...)" line with the
     traceback, between noticing the failure and restarting the group: the import took 1.3-1.6 s there
-    (sampled with py-spy: the agent's first failure line to its "will restart worker group" line), every
-    worker restart's first in an agent. A filter on torch's handlers renders the traceback first, with the
+    (sampled with py-spy: the agent's first failure line to its "will restart worker group" line), at the
+    first worker failure of every agent. A filter on torch's handlers renders the traceback first, with the
     same `logging.Formatter.formatException` the formatter calls (the setting only matters for dynamo's own
-    graph-break records), so the line reads the same and nothing is imported.
+    graph-break records), so the line reads the same and nothing is imported. A torch without that
+    formatter is left as it is: this only saves time.
     """
-    from torch._logging._internal import TorchLogsFormatter
+    try:
+        from torch._logging._internal import TorchLogsFormatter
+    except ImportError:
+        return
 
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for logger in loggers:
