@@ -67,10 +67,7 @@ class ProductSide:
 
     def resume(self) -> None:
         if self.paused_at is not None:
-            away = time.perf_counter() - self.paused_at
-            timer = self.trainer.timer
-            timer.rate_window = [t + away for t in timer.rate_window]
-            timer.window_started += away
+            self.trainer.timer.leave_out(time.perf_counter() - self.paused_at)
 
     def pause(self) -> None:
         self.paused_at = time.perf_counter()

@@ -68,6 +68,12 @@ class StepTimer:
             self.totals[phase] += now - self._last
         self._last = now
 
+    def leave_out(self, seconds: float) -> None:
+        """Time that was none of this loop's steps (another loop ran in this process: the interleaved
+        overhead benchmark): left out of the step rate and the breakdown window, as if it had not passed."""
+        self.rate_window = [t + seconds for t in self.rate_window]
+        self.window_started += seconds
+
     def add_stall(self, seconds: float) -> None:
         self._stall += seconds
 

@@ -251,3 +251,14 @@ def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggl
     assert len(rank0["lines"]) == 1 and "straggler: rank 1" in rank0["lines"][0]
     assert not any(e["event"] == "diagnosis" for e in rank1["events"])  # only rank 0 diagnoses
     assert [e["step"] for e in rank1["events"] if e["event"] == "step_breakdown"] == [1, 2, 3]
+
+
+def test_time_left_out_is_not_in_the_step_rate() -> None:
+    # Steps end at 1, 2, 3 s; 10 s of another loop; then a step at 14 s: the rate is one step a second.
+    timer = StepTimer(CPU, 0, CommTimer())
+    timer.rate_window = [1.0, 2.0, 3.0]
+    timer.window_started = 0.5
+    timer.leave_out(10.0)
+    timer.rate_window.append(14.0)
+    assert timer.mean_step_s() == 1.0 and timer.samples_per_s(16) == 16.0
+    assert timer.window_started == 10.5
