@@ -31,7 +31,8 @@ def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
 def pauses(cfg: Config) -> bool:
     """The debug settings may stop the loop after a step (a delay, a kill, a hold): the trainer then writes
     each step's line before `after_step` (the same on every rank: the config is), rather than carry it to
-    the next control all-reduce, so that a test waiting for step N's line sees it while step N holds."""
+    the next control all-reduce, so that a test waiting for step N's line sees it while step N holds.
+    Where it is false, `after_step` does nothing."""
     debug = cfg.debug
     return bool(debug.hold_dir or debug.kill_at_step or debug.step_delay.total_seconds() > 0)
 

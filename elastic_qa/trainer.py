@@ -279,9 +279,9 @@ class Trainer:
         self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
         if not STARTUP.reported:
             self._log_startup()
-        if debug.pauses(cfg):
+        if debug.pauses(cfg):  # else after_step has nothing to do
             self.control.flush()  # this step's line before a debug hold, kill or delay (collective)
-        debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
+            debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
 
     def _logs_line(self, step: int) -> bool:
         """Whether `step` gets a `step` line (log.every_steps, and the last step)."""

@@ -183,9 +183,10 @@ class ControlPlane:
         values, work, carried = pending
         if work is not None:
             work.wait()
-        self.next_control = step + int(values[2].item())
+        stop, save, every = values[:_FLAGS].tolist()  # one conversion, not one .item() per flag
+        self.next_control = step + int(every)
         self._arrive(values[_FLAGS:], carried)
-        return Decision(stop=values[0].item() > 0, save=values[1].item() > 0)
+        return Decision(stop=stop > 0, save=save > 0)
 
     def deliver(self) -> None:
         """Hand the sums that arrived with the last agreement to those who carried them."""

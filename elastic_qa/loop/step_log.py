@@ -44,7 +44,8 @@ class StepLog:
         """Log the step `state` just completed, with this rank's `stats`. The global mean loss needs every
         rank's sums: `carry` brings them (on the next step's control all-reduce, which no step waits for),
         and the line is written then, stamped with this step's time and figures."""
-        local = torch.stack([stats.loss_sum.float().cpu(), torch.tensor(float(stats.samples))])
+        # Python floats from here on: a handful of tensor ops per line cost more than the arithmetic.
+        local = (float(stats.loss_sum), float(stats.samples))
         figures = {
             "step": state.step,
             "epoch": epoch,
@@ -54,14 +55,19 @@ class StepLog:
             "cursor": state.cursor.samples_consumed,
             "ts": round(time.time(), 6),  # when the step ended, not when its line is written
         }
-        carry(local, lambda totals: self._write(figures, local, totals.to(local.dtype), trackers))
+        values = torch.tensor(local, dtype=torch.float64)
+        carry(values, lambda totals: self._write(figures, local, totals.tolist(), trackers))
 
     def _write(
-        self, figures: dict[str, Any], local: torch.Tensor, totals: torch.Tensor, trackers: Trackers | None
+        self,
+        figures: dict[str, Any],
+        local: tuple[float, float],
+        totals: list[float],
+        trackers: Trackers | None,
     ) -> None:
         step, lr, norm, rate = figures["step"], figures["lr"], figures["grad_norm"], figures["samples_per_s"]
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        local_loss = (local[0] / local[1].clamp(min=1)).item()
+        loss = totals[0] / max(totals[1], 1.0)
+        local_loss = local[0] / max(local[1], 1.0)
         self.log.info(
             "step",
             step=step,

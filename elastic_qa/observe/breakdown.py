@@ -17,7 +17,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +29,7 @@ from elastic_qa.dist import CommTimer
 # Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
 Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
 PHASES = ("data", "forward_backward", "optimizer", "log_and_save")
+RATE_WINDOW = 20  # steps the step rate is measured over
 DATA_BOUND, COMM_BOUND, STRAGGLER = 0.10, 0.20, 0.20
 
 
@@ -40,7 +41,7 @@ class StepTimer:
         self.totals: dict[str, float] = defaultdict(float)
         self.steps_in_window = 0
         self.window_started = time.perf_counter()
-        self.rate_window: list[float] = []  # end times of the recent steps
+        self.rate_window: deque[float] = deque(maxlen=RATE_WINDOW + 1)  # end times of the recent steps
         self._last = time.perf_counter()
         self._detailed = False
         self._stall = 0.0
@@ -71,7 +72,7 @@ class StepTimer:
     def leave_out(self, seconds: float) -> None:
         """Time that was none of this loop's steps (another loop ran in this process: the interleaved
         overhead benchmark): left out of the step rate and the breakdown window, as if it had not passed."""
-        self.rate_window = [t + seconds for t in self.rate_window]
+        self.rate_window = deque((t + seconds for t in self.rate_window), maxlen=RATE_WINDOW + 1)
         self.window_started += seconds
 
     def add_stall(self, seconds: float) -> None:
@@ -84,7 +85,7 @@ class StepTimer:
         return (self.rate_window[-1] - self.rate_window[0]) / (len(self.rate_window) - 1)
 
     def samples_per_s(self, global_count: int) -> float:
-        """Global samples per second over the recent steps (a sliding window of 20)."""
+        """Global samples per second over the recent steps (a sliding window of RATE_WINDOW)."""
         if len(self.rate_window) < 2:
             return 0.0
         steps = len(self.rate_window) - 1
@@ -96,7 +97,7 @@ class StepTimer:
         control all-reduce: ControlPlane.carry), each rank's in its own slot."""
         now = time.perf_counter()
         self.steps_in_window += 1
-        self.rate_window = [*self.rate_window[-20:], now]
+        self.rate_window.append(now)
         if not self.every or self.step % self.every:
             return
         steps = self.steps_in_window

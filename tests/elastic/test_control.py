@@ -190,10 +190,11 @@ def _logging_rank(rank: int, world: int, store: str, out: str) -> None:
             step_log.step(
                 state, 0, StepStats(total, samples, torch.tensor(0.5 * step)), 9.0, None, plane.carry
             )
-            # What StepLog computed before the sums were carried: a float32 all-reduce of its own, now.
-            old = torch.stack([total.float(), torch.tensor(float(samples))])
+            # The same sums from a blocking all-reduce of their own, now (as StepLog did before it carried
+            # them; in float64, as the carried sums are).
+            old = torch.tensor([float(total), float(samples)], dtype=torch.float64)
             dist.all_reduce(old)
-            before[step] = round((old[0] / old[1].clamp(min=1)).item(), 6)
+            before[step] = round(old[0].item() / max(old[1].item(), 1.0), 6)
         plane.flush()
         Path(out, f"rank{rank}.json").write_text(json.dumps({"lines": step_log.log.lines, "before": before}))
     finally:
@@ -216,7 +217,7 @@ def test_step_lines_from_carried_sums_equal_those_of_a_blocking_all_reduce_on_th
         assert [line["cursor"] for line in lines] == [100 * step for step in (2, 4, 6, 8, 10)]
         for line in lines:
             total, samples = loss_sum(rank, line["step"])
-            assert line["rank_loss"] == round((total / max(samples, 1)).item(), 6)
+            assert line["rank_loss"] == round(float(total) / max(samples, 1), 6)
     assert ranks[0]["before"] == ranks[1]["before"] == ranks[2]["before"]
 
 
