@@ -147,7 +147,8 @@ class DataConfig:
     """Directory of pre-tokenised feature caches (memory-mapped, keyed by content hash); hosts may share
     it."""
     num_workers: int = 0
-    """StatefulDataLoader worker processes per rank (0: load in the training process)."""
+    """StatefulDataLoader worker processes per rank (0: batches built in the training process, without a
+    DataLoader)."""
     skip_malformed: bool = False
     """Skip malformed SQuAD records with a counted warning instead of failing."""
     prepare_workers: int = 0
