@@ -262,3 +262,18 @@ def test_time_left_out_is_not_in_the_step_rate() -> None:
     timer.rate_window.append(14.0)
     assert timer.mean_step_s() == 1.0 and timer.samples_per_s(16) == 16.0
     assert timer.window_started == 10.5
+
+
+def test_the_step_rate_is_that_of_the_last_rate_window_steps(monkeypatch) -> None:
+    # Ten steps of 3 s, then twenty of 1 s: the window holds the twenty and none of the slow ones.
+    clock = use_clock(monkeypatch)
+    timer = StepTimer(CPU, 0, CommTimer())
+    for step in range(1, 31):
+        timer.start_step(step)
+        clock.advance(3.0 if step <= 10 else 1.0)
+        timer.finish_step(None, None, None, None)
+    assert breakdown_module.RATE_WINDOW == 20
+    assert timer.mean_step_s() == 1.0 and timer.samples_per_s(16) == 16.0
+    clock.advance(1.0)  # one more step of 1 s pushes out nothing slow: still one a second
+    timer.finish_step(None, None, None, None)
+    assert timer.mean_step_s() == 1.0
