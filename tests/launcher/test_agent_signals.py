@@ -71,3 +71,15 @@ def test_the_agents_failure_line_keeps_its_traceback_without_importing_dynamo(fi
         "RuntimeError: worker 0 died",
     ]
     assert all(line.startswith("E") for line in lines)  # torch's own prefix on every line, as before
+
+
+def test_a_torch_without_its_logs_formatter_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The filter only saves time: where torch has no TorchLogsFormatter to import, the agent starts as is.
+    from elastic_qa.launcher import loopback
+
+    handler = logging.StreamHandler(io.StringIO())
+    logger = logging.getLogger("torch-without-the-formatter")
+    monkeypatch.setattr(logger, "handlers", [handler])
+    monkeypatch.setitem(sys.modules, "torch._logging._internal", None)  # its import raises ImportError
+    loopback.exceptions_without_dynamo()
+    assert handler.filters == []

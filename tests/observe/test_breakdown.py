@@ -256,7 +256,7 @@ def test_a_rank_slower_than_the_median_in_two_windows_running_is_named_a_straggl
 def test_time_left_out_is_not_in_the_step_rate() -> None:
     # Steps end at 1, 2, 3 s; 10 s of another loop; then a step at 14 s: the rate is one step a second.
     timer = StepTimer(CPU, 0, CommTimer())
-    timer.rate_window = [1.0, 2.0, 3.0]
+    timer.rate_window.extend([1.0, 2.0, 3.0])
     timer.window_started = 0.5
     timer.leave_out(10.0)
     timer.rate_window.append(14.0)
