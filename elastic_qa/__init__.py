@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from elastic_qa.api import Answer, FitResult, TrainingFailed, evaluate, fit, predict
+    from elastic_qa.api import Answer, FitInProgress, FitResult, TrainingFailed, evaluate, fit, predict
 
-__all__ = ["Answer", "FitResult", "TrainingFailed", "evaluate", "fit", "predict"]
+__all__ = ["Answer", "FitInProgress", "FitResult", "TrainingFailed", "evaluate", "fit", "predict"]
 
 
 def __getattr__(name: str) -> Any:

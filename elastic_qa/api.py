@@ -9,19 +9,21 @@
 with N torchrun agents, as `make run` does. `predict` and `evaluate` are `elastic-qa ask` and `elastic-qa
 eval` on a model loaded once. Errors are exceptions, never an exit: ConfigError (a bad config or override),
 DataError, ResumeError (a checkpoint that does not fit), UsageError (no model at that path), TrainingFailed
-(a job under agents that failed: its exit code and its last line). torch is imported by the calls that need
-it, not by `import elastic_qa`.
+(a job under agents that failed: its exit code and its last line), FitInProgress (a second fit(agents=0)
+while one trains in this process). torch is imported by the calls that need it, not by `import elastic_qa`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,24 @@ from elastic_qa.exits import UsageError
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | Config
 # The launcher's lines kept to say why a job under agents failed.
 KEPT_LINES = 20
+
+
+class FitInProgress(RuntimeError):
+    """fit(agents=0) while another fit trains in this process: the log configuration, the umask and torch's
+    threads it sets are the process's, so a second run would write its lines into the first one's log."""
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__(
+            f"run {run_dir} is already training in this process (fit with agents=0, from another thread); "
+            "one at a time: wait for it to return, or train this run with agents=N (its own processes) or "
+            "from a second Python process"
+        )
+        self.run_dir = run_dir
+
+
+# The run directory of the fit(agents=0) training in this process, if any (see FitInProgress).
+_training: str | None = None
+_training_lock = threading.Lock()
 
 
 class TrainingFailed(RuntimeError):
@@ -142,7 +162,8 @@ def fit(
     if target is not None and target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UsageError(f"export={target}: not an empty directory (said before training, not after)")
     if agents == 0:
-        step, metrics, stopped = _fit_here(cfg)
+        with _training_alone(cfg.run.dir):
+            step, metrics, stopped = _fit_here(cfg)
     else:
         step, metrics, stopped = _fit_with_agents(cfg, agents)
     checkpoint = _newest_checkpoint(cfg.checkpoint_dir)
@@ -153,6 +174,21 @@ def fit(
         export_checkpoint(checkpoint, target)
         exported = target
     return FitResult(Path(cfg.run.dir), step, metrics, checkpoint, exported, stopped, cfg)
+
+
+@contextlib.contextmanager
+def _training_alone(run_dir: str) -> Iterator[None]:
+    """This process's only in-process fit until it returns; FitInProgress if another one is training."""
+    global _training
+    with _training_lock:
+        if _training is not None:
+            raise FitInProgress(_training)
+        _training = run_dir
+    try:
+        yield
+    finally:
+        with _training_lock:
+            _training = None
 
 
 def _fit_here(cfg: Config) -> tuple[int, dict[str, float], bool]:

@@ -20,7 +20,8 @@
 A checkpoint PATH is a run directory, its checkpoints directory (the newest valid checkpoint) or one
 step-N directory. Elastic training: `launch/local.sh start` in a checkout (installed:
 `python -m elastic_qa.launcher.local start`); `elastic-qa train` is `python -m elastic_qa.train` (its exit
-codes: `elastic-qa train --help`). Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input.
+codes: `elastic-qa train --help`). Exit codes: 0 ok, 1 a check failed (ckpt verify), 2 bad input, 141 the
+output's reader left early (`| head`).
 """
 
 # torch and the models are imported by the commands that use them: `prepare` and `config` start in a
@@ -31,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_qa import __version__
 from elastic_qa.argtypes import whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
-from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.data.features import Features
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
@@ -109,11 +112,10 @@ def eval_data(path: str | None, loaded: PredictionModel) -> tuple[Sequence[QAExa
 def cmd_eval(args: argparse.Namespace) -> int:
     from elastic_qa.evaluation import squad_v2_evaluation
     from elastic_qa.export import load_for_prediction
-    from elastic_qa.output_paths import refuse_managed_output
+    from elastic_qa.output_paths import refuse_managed_output, refuse_unwritable_output
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a directory")
+    refuse_unwritable_output(out, "--out")  # before the evaluation, not after it
     refuse_managed_output(out, "--out")
     device = _device()
     loaded = load_for_prediction(args.checkpoint, device)
@@ -123,9 +125,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores, predictions = squad_v2_evaluation(loaded, examples, features, device, threshold)
     answers = {qid: p.answer for qid, p in predictions.items()}
     null_odds = {qid: p.null_odds for qid, p in predictions.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "predictions.json", answers)
-    _write_json(out / "null_odds.json", null_odds)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "predictions.json", answers)
+        _write_json(out / "null_odds.json", null_odds)
+    except OSError as err:  # what the check above cannot see: a full disk, an ACL, a quota
+        raise UsageError(f"--out {out}: cannot write {err.filename or out}: {err.strerror}") from None
     if args.json:
         print(json.dumps({"source": loaded.source, "step": loaded.step, "null_threshold": threshold,
                           "predictions": str(out / "predictions.json"),
@@ -191,6 +196,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     try:
         return handlers[args.ckpt_command](args.path)
     except OSError as err:  # unreadable directory, permissions: bad input, one line
+        if isinstance(err, BrokenPipeError) and _stdout_gone():  # `| head` was done: not the path's fault
+            raise
         raise UsageError(f"{args.path}: {err}") from None
 
 
@@ -272,13 +279,41 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         default="default",
-        help="YAML file, or a packaged config: default, tiny, squad, hf-tiny, hf-base",
+        help=config_help(),
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Every command; one whose stdout's reader left early (`elastic-qa ckpt show RUN | head -1`) ends
+    quietly, as Unix tools do, with the status of a process that SIGPIPE ended (141)."""
+    try:
+        try:
+            return _command(sys.argv[1:] if argv is None else argv)
+        finally:  # output still buffered (and `--help`'s, on its way out as SystemExit) meets the pipe here
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a socket, a subprocess's): an error of its own
+            raise
+        # Nothing more reaches the reader; stdout on /dev/null keeps the interpreter's own flush at exit
+        # from saying so once more. SIGPIPE itself stays ignored: it would kill a command mid-write.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has left, seen without writing to it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no descriptor (a captured stdout): not a pipe
+        return False
+
+
+def _command(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # before argparse: its overrides and `--help` are the worker's own
         from elastic_qa.train import main as train_main
 
@@ -307,12 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_terminal_logging()  # in-process warnings as sentences; no JSON lines beside the output
     try:
         if args.command == "report":
-            from elastic_qa.output_paths import refuse_managed_output
+            from elastic_qa.output_paths import refuse_managed_output, refuse_unwritable_output
             from elastic_qa.report.page import render_report
 
             if args.out:
                 refuse_managed_output(args.out, "--out")
-            out = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
+            target = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
+            if target.is_dir():
+                raise UsageError(f"--out {target}: is a directory; name the file to write")
+            if args.out or target.parent.is_dir():  # (no run directory there: render_report says so)
+                refuse_unwritable_output(target, "--out", in_parent=True)  # before the run is read
+            out = render_report(Path(args.run_dir), target)
             print(out)
             return 0
         handler = {

@@ -810,13 +810,16 @@ def load_config(
 
 
 def resolve_config(name: str, overrides: Overrides = (), *, complete: bool = True) -> Config:
-    """`--config NAME`: a YAML file, or the name of a packaged config (default, squad, tiny, hf-tiny,
-    hf-base), + overrides; `complete` as for load_config."""
+    """`--config NAME`: a YAML file, or the name of a packaged config (`packaged_config_names`), +
+    overrides; `complete` as for load_config."""
     path = Path(name)
     if not path.suffix and not path.exists():
+        if name not in packaged_config_names():
+            raise ConfigError(
+                f"--config {name}: no such file or packaged config "
+                f"(packaged: {', '.join(packaged_config_names())})"
+            )
         path = packaged_config(name)
-        if not path.exists():
-            raise ConfigError(f"--config {name}: no such file or packaged config")
     return load_config(path, overrides, complete=complete)
 
 
@@ -830,3 +833,13 @@ def config_from_dict(tree: dict[str, Any], overrides: Overrides = ()) -> Config:
 def packaged_config(name: str) -> Path:
     """Path of a config shipped in elastic_qa/configs (e.g. `default`, `squad`, `tiny`)."""
     return Path(__file__).parent / "configs" / f"{name}.yaml"
+
+
+def packaged_config_names() -> list[str]:
+    """The configs shipped in elastic_qa/configs, by name: what `--config NAME` takes besides a file."""
+    return sorted(path.stem for path in (Path(__file__).parent / "configs").glob("*.yaml"))
+
+
+def config_help() -> str:
+    """`--config`'s help line, naming the packaged configs as they are shipped."""
+    return f"YAML file, or a packaged config: {', '.join(packaged_config_names())}"

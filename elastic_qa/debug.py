@@ -29,21 +29,27 @@ def storage_fault_hook(cfg: Config) -> Callable[[str], None]:
 
 
 def pauses(cfg: Config) -> bool:
-    """The debug settings may stop the loop after a step (a delay, a kill, a hold): the trainer then writes
-    each step's line before `after_step` (the same on every rank: the config is), rather than carry it to
-    the next control all-reduce, so that a test waiting for step N's line sees it while step N holds.
-    Where it is false, `after_step` does nothing."""
+    """Whether the debug settings may stop the loop after a step (a delay, a kill, a hold): where it is
+    false, `after_step` has nothing to do."""
     debug = cfg.debug
     return bool(debug.hold_dir or debug.kill_at_step or debug.step_delay.total_seconds() > 0)
 
 
-def after_step(cfg: Config, rank: int, step: int, stop_requested: Callable[[], bool] = lambda: False) -> None:
-    """After each step: `debug.step_delay`, SIGKILL at `debug.kill_at_step` (once per run, however often
-    the step is replayed: a marker file under the run directory remembers), and the step holds of
-    `debug.hold_dir` (holds.py; `stop_requested` ends a hold early)."""
+def after_step(
+    cfg: Config,
+    rank: int,
+    step: int,
+    stop_requested: Callable[[], bool] = lambda: False,
+    flush: Callable[[], None] = lambda: None,
+) -> None:
+    """After each step: SIGKILL at `debug.kill_at_step` (once per run, however often the step is replayed:
+    a marker file under the run directory remembers), then `debug.step_delay` and the step holds of
+    `debug.hold_dir` (holds.py; `stop_requested` ends a hold early).
+
+    Before a delay or a hold, `flush` writes the step lines carried so far (a collective: the config is
+    the same on every rank), so that a test waiting for step N's line sees it while step N holds. Not
+    before the kill: the killed worker's lines are on their way, as a real SIGKILL finds them."""
     debug = cfg.debug
-    if debug.step_delay.total_seconds() > 0:
-        time.sleep(debug.step_delay.total_seconds())
     if debug.kill_at_step == step and debug.kill_rank == rank:
         marker = Path(cfg.run.dir) / "debug" / f"killed-step-{step}-rank-{rank}"
         if not marker.exists():
@@ -51,6 +57,10 @@ def after_step(cfg: Config, rank: int, step: int, stop_requested: Callable[[], b
             marker.touch()
             get_logger().warning("debug_kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+    if debug.hold_dir or debug.step_delay.total_seconds() > 0:
+        flush()
+    if debug.step_delay.total_seconds() > 0:
+        time.sleep(debug.step_delay.total_seconds())
     holds.hold_after_step(cfg, step, stop_requested)
 
 

@@ -8,7 +8,8 @@ Workers (`python -m elastic_qa.train`):
     76  its torchrun agent died (after saving, or once dist.agent_lost_grace ran out)
     128 + n  a single process stopped by signal n after saving (130 SIGINT, 129 SIGHUP, 143 SIGTERM)
 Commands (`elastic-qa ...`, `python -m chaos ...`, the launcher): 0 ok, 1 a check failed, 2 bad input;
-the launcher's `start` stopped by a signal after saving: 128 + n (130 Ctrl-C, 143 SIGTERM).
+the launcher's `start` stopped by a signal after saving: 128 + n (130 Ctrl-C, 143 SIGTERM); `elastic-qa`
+whose output's reader left early (`| head`): 141, as a Unix tool that SIGPIPE ends.
 """
 
 EXIT_OK = 0

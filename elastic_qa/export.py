@@ -30,7 +30,7 @@ from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.config import Config, ConfigError, DataConfig, config_from_dict, load_config
 from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
-from elastic_qa.output_paths import refuse_managed_output
+from elastic_qa.output_paths import refuse_managed_output, refuse_unwritable_output
 from elastic_qa.prep.wordpiece import materialise
 
 EXPORT_FILE = "elastic_qa_export.json"
@@ -138,6 +138,7 @@ def export_checkpoint(path: str, out: Path, force: bool = False, best: bool = Fa
     """
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
+    refuse_unwritable_output(out, "--out", in_parent=True)  # made beside it: before the checkpoint is read
     if not force and not _empty_or_absent(out):
         raise UsageError(f"--out {out}: not empty (pass --force to replace it)")
     if "://" not in path and Path(path).resolve().is_relative_to(out.resolve()):

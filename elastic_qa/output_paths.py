@@ -1,5 +1,8 @@
 """Where a command may write what a user asked for (`export --out`, `eval --out`, `report --out`).
 
+Only where it can: a path under a regular file or in a directory this user cannot write is refused before
+the work (an evaluation, a report), in one line, not with a traceback once the work is done.
+
 Never where the trainer deletes or rewrites on its own: inside a checkpoint directory (rotation prunes step
 directories with everything they hold, registration cleans staging, a rejected checkpoint is moved away) or
 inside a run directory's logs/. A user's export written into `checkpoints/step-00000040/` used to vanish
@@ -80,3 +83,18 @@ def refuse_managed_output(out: Path | str, flag: str, checkpoint_dirs: Iterable[
                 f"{flag} {out}: inside the checkpoint directory {root}, whose rotation deletes what it "
                 "holds; choose a directory outside it"
             )
+
+
+def refuse_unwritable_output(out: Path | str, flag: str, *, in_parent: bool = False) -> None:
+    """UsageError (one line, exit 2) when the directory `out` cannot be created or written (`in_parent`: when
+    `out`'s parent cannot, where a file or an export is made and renamed into place): the nearest part of it
+    that exists is not a directory, or cannot be written into."""
+    path = Path(os.path.abspath(os.path.expanduser(out)))
+    start = path.parent if in_parent else path
+    nearest = next(p for p in (start, *start.parents) if os.path.lexists(p))
+    if not nearest.is_dir():
+        raise UsageError(f"{flag} {out}: cannot be written: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"{flag} {out}: cannot be written: {nearest} is not writable (permissions, read-only)"
+        )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.checkpoint.store import CheckpointError
-from elastic_qa.config import Config, ConfigError, resolve_config
+from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.config_changes import suspicious_settings
 from elastic_qa.data.examples import DataError
 from elastic_qa.dist import (
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m elastic_qa.train")
     parser.add_argument(
         "--config",
         default="default",
-        help="YAML file, or the name of a packaged config (default, squad, tiny)",
+        help=config_help(),
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=200")
     return parser.parse_args(argv)

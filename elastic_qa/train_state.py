@@ -15,6 +15,10 @@
                    "vocabulary": the tokenizer.json text (data.tokenizer=wordpiece; absent otherwise),
                    "metrics_backlog": [[step, {metric: value}], ...]: what rank 0's trackers are given
                                       again on resume (observe/trackers; absent without trackers),
+                   "unwritten_lines": [{figure: value}, ...]: the `step` lines still waiting for their
+                                      loss sums when the checkpoint was taken (an emergency save after a
+                                      peer died), with the saving rank's share; the resumed group writes
+                                      them (loop/step_log.py; absent when none were waiting),
                    "loss_invariant": {"identity", "frozen": [names]}: the freeze probe's answer, which a
                                      restart of the same model takes instead of probing again
                                      (loop/freeze.py; absent without train.freeze_loss_invariant)}
@@ -49,6 +53,21 @@ from elastic_qa.optim import retarget_schedule
 from elastic_qa.run_length import end_step, length_record
 
 STATE_FORMAT = 2
+
+# The figures of a `step` line that a checkpoint carries ("unwritten_lines", loop/step_log.py): their types.
+LINE_FIELDS = {
+    "step": int,
+    "epoch": int,
+    "lr": float,
+    "grad_norm": float,
+    "samples_per_s": float,
+    "cursor": int,
+    "ts": float,
+    "world_size": int,
+    "rank": int,
+    "loss_sum": float,  # this rank's share of the global batch: its loss sum and samples
+    "samples": float,
+}
 
 
 class ResumeError(RuntimeError):
@@ -99,6 +118,10 @@ class TrainState:
         # still gets every step (observe/trackers).
         self.metrics_backlog: list[tuple[int, dict[str, float]]] = []
         self.tracker_backlog: Callable[[], list[tuple[int, dict[str, float]]]] = list
+        # The step lines not written yet (StepLog.unwritten), and those a restored checkpoint carried.
+        self.unwritten_lines: Callable[[], list[dict[str, Any]]] = list
+        self.recovered_lines: list[dict[str, Any]] = []
+        self.saved_attempt = 0  # the attempt that wrote the restored checkpoint (0: none restored)
 
     def complete_step(self, step: int, epoch: int, global_count: int, global_tokens: int) -> None:
         """Step `step` (`global_count` samples, `global_tokens` tokens, of `epoch`) is applied: the counters
@@ -134,6 +157,9 @@ class TrainState:
         backlog = self.tracker_backlog()
         if backlog:
             trainer["metrics_backlog"] = [[step, metrics] for step, metrics in backlog]
+        lines = self.unwritten_lines()
+        if lines:
+            trainer["unwritten_lines"] = lines
         return {
             MODEL_FILE: unwrap(self.model).state_dict(),
             OPTIMIZER_FILE: self.optimizer.state_dict(),
@@ -174,6 +200,8 @@ class TrainState:
         self.tokens_seen = int(trainer["counters"]["tokens_seen"])
         self.best.load_state_dict(trainer.get("best"))
         self.metrics_backlog = metrics_backlog(trainer.get("metrics_backlog", []), loaded.path)
+        self.recovered_lines = unwritten_lines(trainer.get("unwritten_lines", []), loaded.path)
+        self.saved_attempt = int(trainer["saved_by"].get("attempt") or 0)
         mine = trainer["rng"].get(str(self.ctx.rank))
         if mine is not None:  # a rank the saved world did not have keeps its fresh generators
             set_rng_state(mine)
@@ -185,6 +213,15 @@ def metrics_backlog(saved: Any, where: str) -> list[tuple[int, dict[str, float]]
         return [(int(step), {str(k): float(v) for k, v in metrics.items()}) for step, metrics in saved]
     except (TypeError, ValueError, AttributeError):
         raise ResumeError(f"checkpoint {where}: metrics_backlog is not a list of [step, metrics]") from None
+
+
+def unwritten_lines(saved: Any, where: str) -> list[dict[str, Any]]:
+    """trainer.pt's unwritten_lines, each with every figure of LINE_FIELDS in its type; ResumeError when it
+    is not that."""
+    try:
+        return [{key: kind(line[key]) for key, kind in LINE_FIELDS.items()} for line in saved]
+    except (TypeError, ValueError, KeyError, OverflowError):
+        raise ResumeError(f"checkpoint {where}: unwritten_lines is not a list of step lines") from None
 
 
 def upgrade(trainer: dict[str, Any], where: str = "checkpoint") -> dict[str, Any]:

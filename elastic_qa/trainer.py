@@ -109,6 +109,7 @@ class Trainer:
         check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
         self.trackers: Trackers | None = None  # started once the run is registered
         self.step_log = StepLog(ctx, self.console, self.scalars)
+        self.state.unwritten_lines = self.step_log.unwritten  # an emergency save carries them
         self.scoring = Scoring(
             cfg,
             ctx,
@@ -155,6 +156,9 @@ class Trainer:
         self.trackers = Trackers.start(self.cfg, self.session.run_uuid, backlog, self.ctx.is_main)
         if self.trackers:
             self.state.tracker_backlog = self.trackers.backlog
+        # The lines its attempt could not write (the group failed while their sums were on the way).
+        self.step_log.recover(self.state.recovered_lines, self.state.saved_attempt, self.trackers)
+        self.state.recovered_lines = []
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)
         return attempt
@@ -280,8 +284,9 @@ class Trainer:
         if not STARTUP.reported:
             self._log_startup()
         if debug.pauses(cfg):  # else after_step has nothing to do
-            self.control.flush()  # this step's line before a debug hold, kill or delay (collective)
-            debug.after_step(cfg, self.ctx.rank, step, lambda: self.stop_request.requested)
+            debug.after_step(
+                cfg, self.ctx.rank, step, lambda: self.stop_request.requested, self.control.flush
+            )
 
     def _logs_line(self, step: int) -> bool:
         """Whether `step` gets a `step` line (log.every_steps, and the last step)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import math
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 import elastic_qa
+from elastic_qa.api import build_config
 from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, parse_override
@@ -24,6 +26,7 @@ from elastic_qa.data.examples import DataError
 from elastic_qa.exits import UsageError
 from elastic_qa.export import EXPORT_FILE
 from elastic_qa.observe.follow import read_events
+from elastic_qa.prep.cache import cache_key
 from tests.conftest import FIXTURES
 
 QUESTIONS = [
@@ -74,6 +77,46 @@ def test_fit_in_this_process_from_a_thread_returns_the_final_metrics_and_model_p
     assert result.config.train.max_steps == 4
     assert (tmp_path / "run" / "config.yaml").is_file()
     assert (os.umask(umask), signal.getsignal(signal.SIGINT)) == (umask, handler)  # the process's own
+
+
+def test_a_second_fit_in_this_process_is_refused_while_one_trains_and_the_first_logs_only_its_own_steps(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Run a waits in its cache build, behind a lock this test holds, with its log already open: a fit from
+    another thread is refused then, naming run a; run a's log holds its own steps once; a later fit works."""
+    sections = tiny(tmp_path / "a", tmp_path / "cache-a", max_steps=3, warmup_steps=0)
+    sections["log"]["every_steps"] = 1
+    cfg = build_config("tiny", sections=sections)
+    (tmp_path / "cache-a").mkdir()
+    build_queue = open(tmp_path / "cache-a" / f"{cache_key(cfg)}.lock", "w")  # noqa: SIM115 (released below)
+    fcntl.flock(build_queue, fcntl.LOCK_EX)
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["result"] = elastic_qa.fit("tiny", **sections)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = err
+
+    first = threading.Thread(target=work)
+    first.start()
+    try:
+        while not list((tmp_path / "a" / "logs").glob("*.jsonl")):  # its logging is set up: it trains
+            assert first.is_alive(), outcome
+            first.join(timeout=0.05)
+        with pytest.raises(elastic_qa.FitInProgress, match=r"^run .*a is already training in this process"):
+            elastic_qa.fit("tiny", **tiny(tmp_path / "b", cache_dir, max_steps=2))
+    finally:
+        build_queue.close()  # run a builds its cache and trains
+        first.join(timeout=300)
+    assert not first.is_alive() and "error" not in outcome, outcome.get("error")
+    assert not (tmp_path / "b").exists()  # refused before it wrote anything
+    events = read_events(tmp_path / "a")
+    assert [row["event"] for row in events].count("train_start") == 1
+    assert [row["step"] for row in events if row["event"] == "step"] == [1, 2, 3]
+
+    later = elastic_qa.fit("tiny", **tiny(tmp_path / "c", cache_dir, max_steps=2, warmup_steps=0))
+    assert (later.step, later.stopped) == (2, False)
 
 
 def test_fit_raises_bad_input_instead_of_exiting(tmp_path: Path, cache_dir: Path) -> None:

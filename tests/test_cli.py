@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -272,3 +274,70 @@ def test_config_show_lists_every_hf_setting_that_differs_from_run_qa_after_the_c
     ]
     assert main(["config", "show", "--config", "tiny"]) == 0  # native: the recipe is for pretrained models
     assert "#" not in capsys.readouterr().out
+
+
+# ---- where output cannot go ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("ckpt", "show", "RUN"), ("ckpt", "list", "RUN"), ("config", "show", "--config", "tiny")],
+    ids=["ckpt show", "ckpt list", "config show"],
+)
+def test_a_command_whose_stdout_reader_left_ends_quietly_with_the_status_sigpipe_gives(
+    trained: Path, command: tuple[str, ...]
+) -> None:
+    """`elastic-qa ckpt show RUN | head -1`: the reader here closes before reading a byte, so every line
+    the command prints meets a broken pipe; that is no fault of RUN, and no traceback either."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    args = [str(trained) if arg == "RUN" else arg for arg in command]
+    with os.fdopen(writer, "wb") as stdout:
+        result = subprocess.run(
+            [sys.executable, "-m", "elastic_qa.cli", *args],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, "")
+
+
+def test_eval_into_a_directory_that_cannot_be_made_exits_2_in_one_line_before_evaluating(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "a-file").write_text("mine\n")
+    out = tmp_path / "a-file" / "scores"  # root can write anywhere, but not below a regular file
+    data = str(tmp_path / "absent.json")  # read only once the evaluation starts: never, here
+    code, printed, said = run_main(
+        capsys, "eval", "--checkpoint", str(trained), "--data", data, "--out", str(out)
+    )
+    assert (code, printed) == (2, "")
+    assert said == f"elastic-qa: --out {out}: cannot be written: {tmp_path / 'a-file'} is not a directory\n"
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+def test_an_export_below_a_regular_file_exits_2_in_one_line(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "a-file").touch()
+    out = tmp_path / "a-file" / "model"
+    code, _, said = run_main(capsys, "export", str(trained), "--out", str(out))
+    assert (code, said) == (
+        2,
+        f"elastic-qa: --out {out}: cannot be written: {out.parent} is not a directory\n",
+    )
+
+
+def test_a_report_that_cannot_be_written_exits_2_in_one_line(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "a-file").touch()
+    out = tmp_path / "a-file" / "report.html"
+    code, _, said = run_main(capsys, "report", str(trained), "--out", str(out))
+    assert (code, said) == (
+        2,
+        f"elastic-qa: --out {out}: cannot be written: {out.parent} is not a directory\n",
+    )
+    code, _, said = run_main(capsys, "report", str(trained), "--out", str(tmp_path))
+    assert (code, said) == (2, f"elastic-qa: --out {tmp_path}: is a directory; name the file to write\n")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastic_qa.cli import main as cli_main
 from elastic_qa.config import (
     Config,
     ConfigError,
@@ -18,8 +19,11 @@ from elastic_qa.config import (
     format_duration,
     load_config,
     packaged_config,
+    packaged_config_names,
     parse_duration,
+    resolve_config,
 )
+from elastic_qa.launcher.local import main as launcher_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,10 +38,48 @@ def config_error(*overrides: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["default", "tiny", "squad", "hf-tiny", "hf-base"])
+PACKAGED = sorted(path.stem for path in (REPO / "elastic_qa" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PACKAGED)
 def test_every_packaged_config_loads(name):
     cfg = load_config(packaged_config(name), complete=False)
     assert isinstance(cfg, Config)
+
+
+def test_the_packaged_config_names_are_the_files_of_the_configs_directory():
+    assert packaged_config_names() == PACKAGED and {"tiny", "hf-tiny", "hf-base"} <= set(PACKAGED)
+
+
+def test_a_config_name_that_is_no_file_and_not_packaged_fails_listing_the_packaged_names(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # no file named tinyy here
+    with pytest.raises(ConfigError) as info:
+        resolve_config("tinyy")
+    assert (
+        str(info.value)
+        == f"--config tinyy: no such file or packaged config (packaged: {', '.join(PACKAGED)})"
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        (cli_main, ["train", "--help"]),  # python -m elastic_qa.train's own
+        (cli_main, ["prepare", "--help"]),
+        (cli_main, ["config", "show", "--help"]),
+        (launcher_main, ["start", "--help"]),  # launch/local.sh start
+    ],
+    ids=["train", "prepare", "config show", "launcher start"],
+)
+def test_every_config_option_names_every_packaged_config_in_its_help(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: no name broken at its hyphen
+    main, argv = command
+    with pytest.raises(SystemExit):
+        main(argv)
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("--config")]
+    assert line.endswith(f"packaged config: {', '.join(PACKAGED)}"), line
 
 
 def test_packaged_configs_hold_the_values_their_files_set():

@@ -13,7 +13,7 @@ from elastic_qa.config import load_config, packaged_config
 from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.dist import DistContext
 from elastic_qa.optim import build_optimizer, build_scheduler
-from elastic_qa.train_state import STATE_FORMAT, ResumeError, TrainState
+from elastic_qa.train_state import STATE_FORMAT, ResumeError, TrainState, unwritten_lines
 
 CTX = DistContext(0, 1, 0, torch.device("cpu"), None, 1)
 
@@ -209,3 +209,13 @@ def test_the_grad_scalers_loss_scale_and_growth_count_come_back_on_resume() -> N
     assert files[TRAINER_FILE]["grad_scaler"]["scale"] == 2048.0
     assert restored.scaler.state_dict() == saved.scaler.state_dict()
     assert restored.scaler.state_dict()["_growth_tracker"] == 1
+
+
+def test_a_checkpoints_unwritten_step_lines_come_back_typed_and_a_malformed_list_is_refused() -> None:
+    line = {"step": 7, "epoch": 0, "lr": 1e-3, "grad_norm": 0.5, "samples_per_s": 99.0, "cursor": 112,
+            "ts": 1.5, "world_size": 2, "rank": 1, "loss_sum": 12.0, "samples": 8}  # fmt: skip
+    [back] = unwritten_lines([line], "ckpt")
+    assert back == line and isinstance(back["samples"], float)
+    for broken in ([{**line, "step": "seven"}], [{k: v for k, v in line.items() if k != "ts"}], 3):
+        with pytest.raises(ResumeError, match="checkpoint ckpt: unwritten_lines"):
+            unwritten_lines(broken, "ckpt")

@@ -181,3 +181,35 @@ def test_a_peer_lost_while_the_carried_sums_are_flushed_takes_the_emergency_path
     assert committed(trainer) == [6]  # the last completed step, saved as an emergency
     events = read_events(Path(trainer.cfg.run.dir))
     assert not any(e.get("event") == "train_done" for e in events)
+
+
+def test_step_lines_on_their_way_when_a_peer_is_lost_are_written_once_by_the_next_start(started) -> None:
+    trainer = started("train.max_steps=6", "dist.control_period=1h", "log.every_steps=1")
+    agree = trainer.control.all_reduce
+    assert agree is not None
+
+    def lost_peer(values: torch.Tensor):
+        if trainer.state.step == 6:  # the lines of steps 1-6 wait for the end's flush, which fails
+            raise dist.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+        return agree(values)
+
+    trainer.control.all_reduce = lost_peer
+    with pytest.raises(PeerFailure):
+        trainer.train()
+    run_dir, first = Path(trainer.cfg.run.dir), trainer.session.attempt
+    written = [e["step"] for e in read_events(run_dir) if e["event"] == "step"]  # agreed in the first steps
+    assert written == list(range(1, len(written) + 1)) and len(written) < 6
+    assert committed(trainer) == [6]
+    trainer.session.hold.release()  # its process would exit here (rather than live on, as this one does)
+
+    again = started("train.max_steps=6", "dist.control_period=1h", "log.every_steps=1")
+    assert again.train()["step"] == 6  # resumed at its end: nothing trained again
+    events = read_events(run_dir)
+    lines = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in lines] == [1, 2, 3, 4, 5, 6]
+    recovered = lines[len(written) :]
+    assert all(e["recovered"] and e["attempt"] == first and e["loss_ranks"] == [0] for e in recovered)
+    assert all(e["loss"] > 0 for e in recovered)  # a world of one: its share is the whole batch
+    [restart] = [e["ts"] for e in events if e["event"] == "worker_start" and e["attempt"] > first]
+    stamps = [e["ts"] for e in lines]
+    assert stamps == sorted(stamps) and stamps[-1] < restart  # stamped when they were trained

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from elastic_qa import __version__
+from elastic_qa.config import config_help
 from elastic_qa.launcher.rendezvous import MAX_RESTARTS
 
 WORKER_MODULE = "elastic_qa.train"
@@ -49,9 +50,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help=f"regroups each agent allows (default {MAX_RESTARTS})",
     )
     start.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
-    start.add_argument(
-        "--config", default="default", help="YAML file, or a packaged config: default, tiny, squad"
-    )
+    start.add_argument("--config", default="default", help=config_help())
     start.add_argument("--run-dir", help="the run directory (the same as the override run.dir=DIR)")
     start.add_argument(
         "--module",

@@ -264,11 +264,29 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     return cfg
 
 
+def check_writable(run_dir: Path) -> None:
+    """Create the run directory and its agents/ folder, and try the files the launcher writes there; exit 2
+    with one line naming what cannot be written, before any agent starts (an agent started and then not
+    recorded in launch.json could be neither stopped nor joined)."""
+    probe = run_dir / "launch.json.tmp"  # write_job's staging file: launch.json is replaced from it
+    try:
+        (run_dir / "agents").mkdir(parents=True, exist_ok=True)
+        for path in (run_dir / "agents" / "launch.jsonl", probe):
+            with open(path, "a"):
+                pass
+        probe.unlink()
+    except OSError as err:
+        where, why = err.filename or run_dir, err.strerror or err
+        line = f"elastic-qa: run.dir={run_dir}: cannot write {where} ({why}); nothing was started"
+        print(line, file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_inputs(args.config, args.overrides)
     use_private_umask(cfg.run.private)  # before the run dir, launch.json and the agents' logs exist
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     if (run_dir / "launch.json").exists() and any(alive(a["pid"]) for a in read_job(run_dir)["agents"]):
         print(f"launch: a job is already running in {run_dir} (use join/leave/stop)", file=sys.stderr)
         return EXIT_BAD_INPUT

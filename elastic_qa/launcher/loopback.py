@@ -22,6 +22,7 @@ through which torch creates those two stores are pointed at a subclass (see `ins
 
 from __future__ import annotations
 
+import atexit
 import errno
 import importlib
 import ipaddress
@@ -31,6 +32,7 @@ import runpy
 import socket
 import sys
 import warnings
+import weakref
 from datetime import timedelta
 from typing import TypedDict
 
@@ -152,6 +154,37 @@ def keep_signals_through_logging() -> None:
     logging.Handler.handleError = handle_error  # type: ignore[method-assign,assignment]
 
 
+def stop_heartbeats_at_exit() -> None:
+    """Stop torchrun's rendezvous keep-alive before the agent's interpreter is torn down.
+
+    The keep-alive is a daemon thread (torch's `_PeriodicTimer`) that writes to the c10d store every
+    keep-alive interval, in C++ with the interpreter lock released. An agent that a stop signal ends does
+    not shut its rendezvous down (that would close the rendezvous for every agent), so the thread runs on
+    while the interpreter exits; a store call that returns then finds the interpreter finalizing and the
+    thread is ended inside C++ code that cannot be unwound: "terminate called without an active
+    exception", "Fatal Python error: Aborted", the agent killed by SIGABRT (exit -6) after its workers had
+    saved: now and then on Ctrl-C of `launch/local.sh start` (a call takes milliseconds every 2 s), always
+    with calls back to back (tests/launcher/test_agent_signals.py).
+    Each timer started from now on is cancelled at exit, before the interpreter is torn down (atexit runs
+    first): the thread finishes the call in flight, if any, and ends.
+    """
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    started: weakref.WeakSet[_PeriodicTimer] = weakref.WeakSet()
+    start = _PeriodicTimer.start
+
+    def start_and_remember(timer: _PeriodicTimer) -> None:
+        started.add(timer)
+        start(timer)
+
+    def cancel_all() -> None:
+        for timer in list(started):
+            timer.cancel()
+
+    _PeriodicTimer.start = start_and_remember  # type: ignore[method-assign,assignment]
+    atexit.register(cancel_all)
+
+
 class _RenderedException(logging.Filter):
     """Render a record's exception as text before torch's formatter sees it (exceptions_without_dynamo)."""
 
@@ -203,6 +236,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "torch.distributed.run":
         keep_signals_through_logging()
         exceptions_without_dynamo()
+        stop_heartbeats_at_exit()
     sys.argv = argv
     # A warm worker's forkserver imported the module already (as itself, not as __main__): runpy warns.
     warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)

@@ -1,5 +1,11 @@
 """The `step` line: the global batch's mean loss (its sums carried on the control all-reduce), and the same
-figures for the console, TensorBoard and the trackers."""
+figures for the console, TensorBoard and the trackers.
+
+A line waits for the next agreement for its sums. When the group fails first (a peer died), the steps whose
+lines were waiting are still committed by the emergency checkpoint: `unwritten` gives them to it, with what
+this rank knows of them (its own share of the loss), and the group that resumes from it writes them
+(`recover`), so that every committed step has its line and its tracker record once.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ class StepLog:
     def __init__(self, ctx: DistContext, console: Console, scalars: TensorBoardScalars | None) -> None:
         self.ctx, self.console, self.scalars = ctx, console, scalars
         self.log = get_logger()
+        # step -> (figures, this rank's sums) of each line carried and not written yet
+        self._unwritten: dict[int, tuple[dict[str, Any], tuple[float, float]]] = {}
 
     def step(
         self,
@@ -56,7 +64,47 @@ class StepLog:
             "ts": round(time.time(), 6),  # when the step ended, not when its line is written
         }
         values = torch.tensor(local, dtype=torch.float64)
+        self._unwritten[state.step] = (figures, local)
         carry(values, lambda totals: self._write(figures, local, totals.tolist(), trackers))
+
+    def unwritten(self) -> list[dict[str, Any]]:
+        """The lines of completed steps still waiting for their sums, in step order (train_state.LINE_FIELDS
+        each): what a checkpoint taken now (an emergency save) must carry for them."""
+        world, rank = self.ctx.world_size, self.ctx.rank
+        return [
+            {**figures, "world_size": world, "rank": rank, "loss_sum": local[0], "samples": local[1]}
+            for figures, local in self._unwritten.values()
+        ]
+
+    def recover(self, lines: list[dict[str, Any]], attempt: int, trackers: Trackers | None) -> None:
+        """Write the lines a checkpoint carried (`unwritten` of attempt `attempt`): rank 0 logs each as the
+        `step` event that attempt could not, `recovered` and with the loss of the share it knew
+        (`loss_ranks`); every rank gives the trackers the same record (rank 0 sends it, the others keep it
+        for an emergency save of their own, observe/trackers)."""
+        for line in lines:
+            known = line["samples"] > 0
+            loss = line["loss_sum"] / line["samples"] if known else float("nan")
+            if self.ctx.is_main:
+                self.log.info(
+                    "step",
+                    step=line["step"],
+                    epoch=line["epoch"],
+                    loss=round(loss, 6),
+                    lr=line["lr"],
+                    grad_norm=round(line["grad_norm"], 6),
+                    samples_per_s=round(line["samples_per_s"], 2),
+                    world_size=line["world_size"],
+                    cursor=line["cursor"],
+                    ts=line["ts"],  # when the step ended, by the attempt that trained it
+                    attempt=attempt,
+                    recovered=True,
+                    loss_ranks=[line["rank"]],
+                )
+            if trackers:
+                metrics = _tracker_metrics(loss, line["grad_norm"], line["lr"], line["samples_per_s"])
+                if not known:
+                    del metrics["loss"]
+                trackers.log(line["step"], **metrics, world_size=float(line["world_size"]))
 
     def _write(
         self,
@@ -66,6 +114,7 @@ class StepLog:
         trackers: Trackers | None,
     ) -> None:
         step, lr, norm, rate = figures["step"], figures["lr"], figures["grad_norm"], figures["samples_per_s"]
+        self._unwritten.pop(step, None)
         loss = totals[0] / max(totals[1], 1.0)
         local_loss = local[0] / max(local[1], 1.0)
         self.log.info(
@@ -86,4 +135,8 @@ class StepLog:
             self.scalars.add(step, loss=local_loss, grad_norm=norm, lr=lr, samples_per_s=rate)
         if trackers:
             world = float(self.ctx.world_size)
-            trackers.log(step, loss=loss, grad_norm=norm, lr=lr, samples_per_s=rate, world_size=world)
+            trackers.log(step, **_tracker_metrics(loss, norm, lr, rate), world_size=world)
+
+
+def _tracker_metrics(loss: float, grad_norm: float, lr: float, samples_per_s: float) -> dict[str, float]:
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": samples_per_s}

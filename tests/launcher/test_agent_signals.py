@@ -83,3 +83,40 @@ def test_a_torch_without_its_logs_formatter_is_left_alone(monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "torch._logging._internal", None)  # its import raises ImportError
     loopback.exceptions_without_dynamo()
     assert handler.filters == []
+
+
+# An agent ended by a stop signal, its rendezvous keep-alive left running (torchrun does not shut the
+# rendezvous down on a signal): torch's own timer, calling a real c10d store back to back, so that a call
+# is in flight whenever the interpreter exits. Then the SignalException that torchrun's agent exits with.
+KEEP_ALIVE_AT_EXIT = """
+import signal, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+from elastic_qa.launcher import loopback
+if sys.argv[1] == "stopped":
+    loopback.stop_heartbeats_at_exit()
+store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+keep_alive = _PeriodicTimer(timedelta(0), store.compare_set, "keep-alive", "", "alive")  # held, as torch's is
+keep_alive.start()
+store.wait(["keep-alive"])  # the keep-alive is running
+raise SignalException("Process got signal: 15", sigval=signal.SIGTERM)
+"""
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_an_agent_ended_by_a_signal_with_a_keep_alive_in_flight_exits_without_aborting(stopped: bool) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", KEEP_ALIVE_AT_EXIT, "stopped" if stopped else "running"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    aborted = result.returncode == -signal.SIGABRT
+    assert aborted == ("terminate called without an active exception" in result.stderr), result.stderr[-2000:]
+    # Left running, the keep-alive shows that the check can fail; stopped at exit, the agent exits as
+    # torchrun's agent does on a stop signal: 1, with the SignalException's traceback.
+    assert aborted is not stopped
+    if stopped:
+        assert result.returncode == 1 and "SignalException: Process got signal: 15" in result.stderr

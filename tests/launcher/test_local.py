@@ -63,3 +63,32 @@ def test_a_start_after_an_old_crash_loop_in_the_same_run_dir_trains_to_the_end(
     done = [e for e in read_events(run_dir) if e["event"] == "train_done"]
     assert [e["step"] for e in done] == [STEPS]
     assert f"result: step {STEPS}" in launcher_output
+
+
+@pytest.mark.parametrize("blocked", ["run.dir under a file", "agents/ a file"])
+def test_a_run_directory_the_launcher_cannot_write_is_refused_in_one_line_before_any_agent(
+    tmp_path: Path, cache_dir: Path, blocked: str
+) -> None:
+    import subprocess
+    import sys
+
+    from elastic_qa.launcher.processes import python_env
+
+    if blocked == "run.dir under a file":
+        (tmp_path / "a-file").write_text("")
+        run_dir = tmp_path / "a-file" / "run"
+    else:  # the directory exists, but what the launcher writes into it cannot be created
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / "agents").write_text("kept")
+    result = subprocess.run(
+        [sys.executable, "-m", "elastic_qa.launcher.local", "start", "--agents", "2", "--config", "tiny",
+         f"run.dir={run_dir}", f"data.cache_dir={cache_dir}"],
+        capture_output=True, text=True, env=python_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"elastic-qa: run.dir={run_dir}: cannot write ") and "nothing was started" in line
+    assert not (run_dir / "launch.json").exists()
+    if blocked == "agents/ a file":
+        assert (run_dir / "agents").read_text() == "kept"

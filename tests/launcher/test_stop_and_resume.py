@@ -3,6 +3,7 @@ printing the saved step and the command that resumes the job; that command resum
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import sys
@@ -174,3 +175,40 @@ def test_join_and_leave_say_what_they_did_and_a_requested_stop_that_saved_exits_
     assert all(isinstance(e["signal"], str) for e in stopping), stopping
     assert "(None)" not in output
     assert f"stopped by `stop` and saved, resumable: saved step {saved}; resume with: " in output
+
+
+def test_ctrl_c_in_a_terminal_stops_two_agents_without_aborting_either(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # As a terminal does: the launcher (launch/local.sh, exec'ed) leads the foreground process group, and
+    # Ctrl-C is SIGINT to that group. Each agent must exit as torchrun does on a stop, never by SIGABRT
+    # (its rendezvous keep-alive torn down in C++: elastic_qa/launcher/loopback.py).
+    import os
+    import subprocess
+
+    from elastic_qa.launcher.processes import python_env
+
+    run_dir = tmp_path / "run"
+    job = Job(run_dir, "tiny", [f"data.cache_dir={cache_dir}", *SETTINGS], agents=2)
+    (run_dir / "chaos").mkdir(parents=True)
+    script = Path(__file__).resolve().parents[2] / "launch" / "local.sh"
+    with open(run_dir / "chaos" / "launcher.log", "wb") as out:
+        job.process = subprocess.Popen(
+            [str(script), "start", "--agents", "2", "--config", "tiny", *job.overrides],
+            stdout=out, stderr=subprocess.STDOUT, env=python_env(), start_new_session=True,
+        )  # fmt: skip
+    try:
+        job.wait_for_step(4)
+        os.killpg(job.process.pid, signal.SIGINT)
+        assert job.wait(timeout=90) == 130
+    finally:
+        job.kill_everything()
+    actions = [json.loads(line) for line in (run_dir / "agents" / "launch.jsonl").read_text().splitlines()]
+    exits = [e for e in actions if e["event"] == "agent_exit"]
+    assert len(exits) == 2 and all(e["code"] >= 0 for e in exits), exits
+    for log in sorted((run_dir / "agents").glob("agent-*.log")):
+        said = log.read_text(errors="replace")
+        assert "terminate called" not in said and "Fatal Python error" not in said, said[-3000:]
+    assert any(
+        e["event"] == "checkpoint_committed" and e["reason"] == "sigterm" for e in read_events(run_dir)
+    )
