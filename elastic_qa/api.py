@@ -339,11 +339,11 @@ def evaluate(
     """`elastic-qa eval --json`'s scores of a model on a SQuAD v1.1/v2.0 file (None: the evaluation split of
     the data it was trained on): exact and f1 (percentages) and total, the same by HasAns and NoAns, the
     best null thresholds; with `source`, `step` and `null_threshold`."""
-    from elastic_qa.cli import eval_data
     from elastic_qa.evaluation import squad_v2_evaluation
+    from elastic_qa.export import evaluation_data
 
     loaded, device = _loaded(model)
     threshold = loaded.cfg.eval.null_threshold if null_threshold is None else null_threshold
-    examples, features = eval_data(os.fspath(data) if data is not None else None, loaded)
+    examples, features = evaluation_data(os.fspath(data) if data is not None else None, loaded)
     scores, _ = squad_v2_evaluation(loaded, examples, features, device, threshold)
     return {"source": loaded.source, "step": loaded.step, "null_threshold": threshold, **scores}

@@ -36,7 +36,6 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,17 +43,13 @@ from elastic_qa import __version__
 from elastic_qa.argtypes import whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
-from elastic_qa.data.examples import DataError, QAExample
-from elastic_qa.data.features import Features
+from elastic_qa.data.examples import DataError
 from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.prep import Featurizer, prepare
-from elastic_qa.prep.sources import read_squad
 
 if TYPE_CHECKING:
     import torch
-
-    from elastic_qa.export import PredictionModel
 
 
 def _device() -> torch.device:
@@ -97,21 +92,9 @@ def _write_json(path: Path, value: Any) -> None:
     staging.replace(path)
 
 
-def eval_data(path: str | None, loaded: PredictionModel) -> tuple[Sequence[QAExample], Features]:
-    """The questions to evaluate on: a SQuAD file's, or (None) the evaluation split of the model's data."""
-    cfg, family = loaded.cfg, loaded.family
-    if path:
-        examples, _ = read_squad(path, cfg.data.skip_malformed)
-        return examples, family.features(examples, cfg)
-    data = prepare(cfg, family)
-    if data.eval is None:
-        raise UsageError(f"{loaded.source}: its data has no evaluation split: pass --data FILE")
-    return data.eval_examples, data.eval
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from elastic_qa.evaluation import squad_v2_evaluation
-    from elastic_qa.export import load_for_prediction
+    from elastic_qa.export import evaluation_data, load_for_prediction
     from elastic_qa.output_paths import refuse_managed_output, refuse_unwritable_output
 
     out = Path(args.out)
@@ -121,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loaded = load_for_prediction(args.checkpoint, device)
     cfg = loaded.cfg
     threshold = cfg.eval.null_threshold if args.null_threshold is None else args.null_threshold
-    examples, features = eval_data(args.data, loaded)
+    examples, features = evaluation_data(args.data, loaded)
     scores, predictions = squad_v2_evaluation(loaded, examples, features, device, threshold)
     answers = {qid: p.answer for qid, p in predictions.items()}
     null_odds = {qid: p.null_odds for qid, p in predictions.items()}

@@ -18,9 +18,10 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +33,10 @@ from elastic_qa.exits import UsageError
 from elastic_qa.models import ModelFamily, family_for
 from elastic_qa.output_paths import refuse_managed_output, refuse_unwritable_output
 from elastic_qa.prep.wordpiece import materialise
+
+if TYPE_CHECKING:
+    from elastic_qa.data.examples import QAExample
+    from elastic_qa.data.features import Features
 
 EXPORT_FILE = "elastic_qa_export.json"
 CONFIG_FILE = "elastic_qa_config.yaml"
@@ -201,3 +206,19 @@ def _publish(staging: Path, out: Path) -> None:
         previous.rename(out)
         raise
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def evaluation_data(path: str | None, loaded: PredictionModel) -> tuple[Sequence[QAExample], Features]:
+    """The questions to evaluate `loaded` on (`elastic-qa eval`, elastic_qa.evaluate): a SQuAD file's, or
+    (None) the evaluation split of the data the model was trained on."""
+    from elastic_qa.prep import prepare
+    from elastic_qa.prep.sources import read_squad
+
+    cfg, family = loaded.cfg, loaded.family
+    if path:
+        examples, _ = read_squad(path, cfg.data.skip_malformed)
+        return examples, family.features(examples, cfg)
+    data = prepare(cfg, family)
+    if data.eval is None:
+        raise UsageError(f"{loaded.source}: its data has no evaluation split: pass --data FILE")
+    return data.eval_examples, data.eval

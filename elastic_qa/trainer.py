@@ -31,6 +31,7 @@ from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import StepBatch, build_train_loader
 from elastic_qa.dist import DistContext, forked_worker, unwrap
 from elastic_qa.elastic.control import (
+    Agreement,
     ControlPlane,
     Decision,
     PeerFailure,
@@ -237,7 +238,7 @@ class Trainer:
         self._after_step(batch, stats, decision)
         return decision
 
-    def _train_step(self, batch: StepBatch, pending: Any) -> tuple[StepStats, Decision]:
+    def _train_step(self, batch: StepBatch, pending: Agreement | None) -> tuple[StepStats, Decision]:
         model, device, state = self.model, self.device, self.state
         if self.draws_random:
             seed_step_rng(step_seed(self.cfg.run.seed, batch.step, self.ctx.rank), device)

@@ -41,7 +41,7 @@ ENTRY_USES = {
     "bench": {"chaos", "launcher"},
     "chaos": {"launcher"},
     "launcher": {"train"},  # launcher/warm_start.py: the forkserver imports the worker for its forks
-    "api": {"train", "cli", "launcher"},
+    "api": {"train", "launcher"},
 }
 FACADE = {("elastic_qa", "api")}  # the package root re-exports the Python API, imported on first use
 

@@ -107,13 +107,6 @@ def load_best_checkpoint(path: str) -> LoadedCheckpoint:
         raise CheckpointError(f"{path}: the best checkpoint (step {step}) is not valid: {err}") from None
 
 
-def newest_saved_config(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
-    """(step, the resolved config stored in it) of the newest checkpoint whose trainer.pt verifies and
-    loads; None when there is none. Reads only trainer.pt: cheap enough to run before a job starts."""
-    saved = newest_saved_trainer(checkpoint_dir)
-    return None if saved is None else (saved[0], saved[1]["config"])
-
-
 def newest_saved_trainer(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
     """(step, trainer.pt's contents) of the newest checkpoint whose trainer.pt verifies, loads and holds
     a config; None when there is none."""

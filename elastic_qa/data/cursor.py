@@ -28,7 +28,9 @@ def rank_slice(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 @dataclass
-class StepBatch:
+class GlobalBatch:
+    """The indices of one optimizer step's whole global batch, in order (each rank takes its `rank_slice`)."""
+
     step: int  # the optimizer step this batch is for (from 1)
     epoch: int
     global_indices: list[int]  # the whole global batch, in order
@@ -47,9 +49,9 @@ class GlobalCursor:
         self.epoch = 0
         self.samples_consumed = 0
 
-    def batches(self, first_step: int) -> StepBatchIterator:
+    def batches(self, first_step: int) -> GlobalBatchIterator:
         """Global batches from the current position on; does not move the cursor."""
-        return StepBatchIterator(self, first_step)
+        return GlobalBatchIterator(self, first_step)
 
     def advance_to(self, epoch: int, global_count: int) -> None:
         """Record that a global batch of `epoch` was fully trained on (call after the optimizer step)."""
@@ -77,7 +79,7 @@ class GlobalCursor:
         self.samples_consumed = int(state["samples_consumed"])
 
 
-class StepBatchIterator:
+class GlobalBatchIterator:
     """Walks the global order from a cursor position; picklable, so loader workers can run it."""
 
     def __init__(self, cursor: GlobalCursor, first_step: int) -> None:
@@ -89,15 +91,15 @@ class StepBatchIterator:
         self.step = first_step
         self._order = epoch_order(self.num_samples, self.seed, self.epoch)
 
-    def __iter__(self) -> StepBatchIterator:
+    def __iter__(self) -> GlobalBatchIterator:
         return self
 
-    def __next__(self) -> StepBatch:
+    def __next__(self) -> GlobalBatch:
         if self.position >= self.num_samples:
             self.epoch, self.position = self.epoch + 1, 0
             self._order = epoch_order(self.num_samples, self.seed, self.epoch)
         stop = min(self.position + self.batch_size, self.num_samples)
         indices = self._order[self.position : stop].tolist()
-        batch = StepBatch(self.step, self.epoch, indices, len(indices))
+        batch = GlobalBatch(self.step, self.epoch, indices, len(indices))
         self.position, self.step = stop, self.step + 1
         return batch
