@@ -41,6 +41,17 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def names_loopback(host_header: str) -> bool:
+    """Whether an HTTP Host header names this machine by a loopback name or address (`localhost:8000`,
+    `127.0.0.1`, `[::1]:8000`): a page elsewhere that reaches a loopback server by DNS rebinding sends its
+    own name."""
+    if host_header.startswith("["):
+        host = host_header[1:].split("]", 1)[0]
+    else:
+        host = host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+    return host.lower() == "localhost" or is_loopback(host)
+
+
 def source_address(address: str) -> str:
     """The source address this host's routing table picks for packets to `address` (raises OSError when
     there is no route)."""

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a client silent this long, mid-request or between requests, is disconnected (default 10s)",
     )
     p.add_argument(
+        "--read-timeout",
+        type=positive_duration,
+        default=timedelta(seconds=30),
+        help="a request not arrived whole this long after its first byte gets 408 and is disconnected, "
+        "however steadily it trickles (default 30s)",
+    )
+    p.add_argument(
         "--max-connections",
         type=whole_number,
         default=128,
@@ -140,8 +147,13 @@ def main(argv: list[str]) -> int:
         signals.wait()
         # Still inside: a second signal while the requests in flight are answered is ignored.
         print("elastic-qa serve: stopping: answering the requests in flight", flush=True)
-        server.stop()
+        cut = server.stop()
         serving.join()
+    if cut:
+        print(
+            f"elastic-qa serve: {cut} connections still open after {server.stop_bound} were cut",
+            file=sys.stderr,
+        )
     stats = server.batcher.stats
     print(f"elastic-qa serve: stopped ({stats.questions} questions in {stats.batches} batches)", flush=True)
     return EXIT_OK
@@ -166,7 +178,9 @@ def build_server(args: argparse.Namespace) -> QAServer:
     limits = Limits(args.max_body_bytes, args.max_questions, args.max_question_chars, args.max_context_chars)
     model = {"source": loaded.source, "step": loaded.step, "kind": loaded.cfg.model.kind,
              "null_threshold": threshold}  # fmt: skip
-    settings = ServeSettings(limits, args.request_timeout, args.socket_timeout, model, args.max_connections)
+    settings = ServeSettings(
+        limits, args.request_timeout, args.socket_timeout, model, args.max_connections, args.read_timeout
+    )
     try:
         return QAServer((args.host, args.port), batcher, settings)
     except OSError as err:

@@ -37,8 +37,12 @@ class BadRequest(Exception):
 def parse_questions(body: bytes, limits: Limits) -> tuple[list[Pair], bool]:
     """The (question, context) pairs of a body, and whether it was the single-question form."""
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        # No field takes a number, so an integer is only ever named: float() reads any length of digits,
+        # where int() raises past 4300 (a ValueError that is no fault of the JSON).
+        value = json.loads(body, parse_int=float)
+    except RecursionError:
+        raise BadRequest(400, "body: JSON nested too deeply") from None
+    except ValueError as err:  # not UTF-8 (UnicodeDecodeError) or not JSON (JSONDecodeError)
         raise BadRequest(400, f"body: not JSON ({err})") from None
     if not isinstance(value, dict):
         raise BadRequest(400, f"body: expected a JSON object, got {_kind(value)}")
@@ -77,6 +81,11 @@ def _pair(item: Any, where: str, limits: Limits) -> Pair:
             raise BadRequest(400, f"{prefix}{name}: empty")
         if len(text) > most:
             raise BadRequest(413, f"{prefix}{name}: {len(text)} characters, at most {most}")
+        try:  # "\ud800" is JSON, but no text: the tokenizer and the reply need UTF-8
+            text.encode()
+        except UnicodeEncodeError as err:
+            lone = f"character {err.start} is a lone surrogate ({text[err.start]!r}), not text"
+            raise BadRequest(400, f"{prefix}{name}: {lone}") from None
         fields.append(text)
     return fields[0], fields[1]
 

@@ -4,6 +4,7 @@ stop answers the request in flight while refusing new connections."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -48,7 +49,7 @@ def serving(
 ) -> Iterator[QAServer]:
     batcher = Batcher(model, max_batch=1, max_wait=timedelta(0), queue_size=queue_size)
     model_facts = {"source": "stand-in", "step": 0}
-    settings = ServeSettings(LIMITS, request_timeout, socket_timeout, model_facts, max_connections)
+    settings = ServeSettings(LIMITS, request_timeout, socket_timeout, model_facts, max_connections, LONG)
     server = QAServer(("127.0.0.1", 0), batcher, settings)
     thread = threading.Thread(target=server.serve_forever)
     thread.start()
@@ -122,9 +123,10 @@ def test_paths_and_methods_404_405_and_a_body_without_length_411() -> None:
         status, reply, headers = ask(server, "GET", "/v1/answer")
         assert (status, headers["Allow"]) == (405, "POST") and "takes POST, not GET" in reply["error"]
         status, _, headers = ask(server, "DELETE", "/healthz")
-        assert (status, headers["Allow"]) == (405, "GET")
+        assert (status, headers["Allow"]) == (405, "GET, HEAD")
         unsized = raw(
-            server, b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            server,
+            b"POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
         )
         assert unsized.startswith(b"HTTP/1.1 411 ") and b"send a Content-Length" in unsized
         status, health, _ = ask(server, "GET", "/healthz")
@@ -179,7 +181,7 @@ def test_a_full_queue_gets_503_with_retry_after_and_a_late_answer_504() -> None:
 def test_a_slow_client_holds_only_its_own_connection_and_is_dropped_after_the_socket_timeout() -> None:
     with serving(Model(), socket_timeout=timedelta(milliseconds=300)) as server:
         slow = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=120)
-        slow.sendall(b'POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"question"')
+        slow.sendall(b'POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"question"')
         assert ask(server, "POST", "/v1/answer", {"question": "q", "context": "fast one"})[:2] == (
             200,
             {"answer": "fast", "question": "q"},
@@ -193,13 +195,13 @@ def test_connections_beyond_the_bound_get_503_and_a_freed_slot_serves_again() ->
         port = server.server_address[1]
         holders = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(2)]
         for holder in holders:  # a request line each: both connections surely have their thread now
-            holder.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        reply = raw(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            holder.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        reply = raw(server, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 503") and b"2 connections are open" in reply, reply
         holders[0].close()
         # the slot comes back once that connection's thread has ended: wait on the event, not a clock
         while not (
-            reply := raw(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply := raw(server, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         ).startswith(b"HTTP/1.1 200"):
             assert reply.startswith(b"HTTP/1.1 503"), reply
         holders[1].close()
@@ -235,6 +237,18 @@ def test_stop_answers_the_request_in_flight_closes_idle_connections_and_refuses_
         status, reply, headers = replies["reply"]
         assert (status, reply, headers["Connection"]) == (200, {"answer": "abc", "question": "q"}, "close")
         idle.close()
+
+
+def test_stop_cuts_the_connections_still_open_after_its_bound_and_says_how_many() -> None:
+    with serving(Model()) as server:  # every timeout 120 s: only the bound ends the request below
+        slow = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=120)
+        # Its request has begun (sent before the stop, served even from the backlog) and never ends.
+        slow.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        assert server.stop_bound == timedelta(seconds=4 * 120)
+        assert server.stop(timedelta(milliseconds=50)) == 1
+        with contextlib.suppress(ConnectionResetError):  # a reset: shut down with its sent bytes unread
+            assert slow.recv(1) == b""  # shut down: its thread ended, stop returned
+        slow.close()
 
 
 def test_an_answer_object_is_json_with_the_text_as_sent() -> None:
