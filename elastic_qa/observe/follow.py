@@ -5,29 +5,55 @@ Log lines are evidence that may be damaged. While the disk is full (the chaos `l
 worker's log writes fail and are dropped, and a write cut short leaves a torn line that the next write
 continues. The reader keeps every line it can parse: a torn line gives its complete tail, a last line
 still being written (or cut short by a killed writer) is left until its newline arrives, and lines that
-are not JSON objects with an `event` are skipped.
+are not JSON objects with an `event` are skipped. A line longer than MAX_LINE is no log line and is
+skipped; each line costs at most TORN_TRIES parses (linear in its length, whatever it holds). Log files
+are opened without following a symlink, and only regular files are read.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
+
+MAX_LINE = 1 << 20  # bytes: the longest log line kept (a crash's message is cut far shorter)
+TORN_TRIES = 16  # starts tried in one line: the whole line, then the first `{"` after its start
 
 
 def parse_log_line(line: bytes | str) -> dict[str, Any] | None:
     """One JSON log line, or None. A write cut short leaves a torn line that the next write continues:
-    the complete line is then the tail that starts at one of its `{"`."""
+    the complete line is then the tail that starts at one of its `{"`. Only the first TORN_TRIES are
+    tried, so a line costs a bounded number of parses, each linear in its length, however many it holds
+    (a line of 20,000 `{"` would otherwise cost 20,000 parses: quadratic)."""
+    if len(line) > MAX_LINE:
+        return None
     text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
     start = 0
-    while start >= 0:
+    for _ in range(TORN_TRIES):
         try:
             row = json.loads(text[start:])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than a log line has
             start = text.find('{"', start + 1)
+            if start < 0:
+                return None
             continue
         return row if isinstance(row, dict) else None
     return None
+
+
+def open_regular(path: Path | str, dir_fd: int | None = None) -> int | None:
+    """A read-only descriptor of the regular file `path` (relative to `dir_fd` when given), or None when
+    it is missing, a symlink (not followed), or no regular file (a FIFO is not waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_events(run_dir: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
@@ -55,7 +81,9 @@ class LogFollower:
         rows = []
         for path in sorted(self.log_dir.glob(self.pattern)):
             offset = self._offsets.get(path, 0)
-            with open(path, "rb") as handle:
+            if (fd := open_regular(path)) is None:
+                continue
+            with os.fdopen(fd, "rb") as handle:
                 handle.seek(offset)
                 chunk = handle.read()
             complete = chunk.rfind(b"\n") + 1  # a line still being written is read next time

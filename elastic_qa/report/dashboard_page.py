@@ -48,8 +48,10 @@ function show(s) {
   version = s.version;
   document.body.dataset.version = s.version;
   text("status", s.status);
-  const look = {finished: "ok", training: "ok", regrouping: "warn"}[s.status] || "fail";
-  $("status").className = "badge " + look;
+  const looks = {finished: "ok", training: "ok", regrouping: "warn", starting: "warn"};
+  $("status").className = "badge " + (looks[s.status] || "fail");
+  const left = s.skipped === 1 ? "1 malformed line left out" : s.skipped + " malformed lines left out";
+  text("skipped", s.skipped ? left : "");
   text("step", s.step);
   text("max-steps", s.max_steps);
   const share = s.max_steps ? Math.min(1, s.step / s.max_steps) : 0;
@@ -94,6 +96,8 @@ poll();
 """
 
 
+# The age of the newest log line, and how many lines were left out as malformed (live_rows.py).
+STATUS_NOTE = '<span id="idle"></span> <span id="skipped"></span>'
 PROGRESS = (
     '<div class="bar"><div id="bar"></div></div><span id="percent"></span>, ETA <span id="eta">—</span>'
 )
@@ -111,7 +115,7 @@ def dashboard_html(run_name: str, nonce: str) -> str:
     """The page for the run named `run_name`; `nonce` lets its script and style run under the CSP."""
     name = escape(run_name)
     cards = [
-        ("Status", '<span id="status" class="badge">—</span>', '<span id="idle"></span>'),
+        ("Status", '<span id="status" class="badge">—</span>', STATUS_NOTE),
         ("Steps", '<span id="step">—</span> of <span id="max-steps">—</span>', PROGRESS),
         ("World size", '<span id="world">—</span>', 'attempt <span id="attempt">—</span>'),
         ("Restarts", '<span id="restarts">—</span>', "regroups after a failure or a change of workers"),

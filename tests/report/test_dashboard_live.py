@@ -1,5 +1,6 @@
 """The dashboard of a real 2-agent job, live in headless Chromium: the page shows the steps advance at world
-size 2, then a worker killed with SIGKILL and the regroup that follows, then the finished run.
+size 2, then a worker killed with SIGKILL (shown as killed by SIGKILL, as its agent logged it) and the
+regroup that follows, then the finished run.
 
 The job is held after steps 5 and 10 (elastic_qa/holds.py), so what the page must show cannot race the job:
 while held at 5 it shows step 5; the kill lands while the job is held at 10.
@@ -60,6 +61,9 @@ def test_the_page_follows_a_live_job_through_a_killed_worker_and_its_regroup(
             release(holds, 10)
             shows(browser, attempt="2", world="2", restarts="1", step_at_least=11)
             assert "attempt 2 started with 2 workers" in browser.text("#timeline")
+            # The killed worker, as its torchrun agent logged it, not only its peer's gloo error.
+            killed = "document.getElementById('timeline').textContent.includes('killed by SIGKILL')"
+            browser.wait_for(f"return {killed}", "the timeline to show the worker killed by SIGKILL")
             browser.screenshot(screenshot_path(tmp_path, "live-regrouped"))
             assert job.wait(300) == 0
             shows(browser, status="finished", step=str(MAX_STEPS), restarts="1")
