@@ -14,6 +14,10 @@ runs. The rules, from the strongest evidence to the weakest:
                           does not run, or when the heartbeat is older than the stale threshold (a live
                           holder beats more often than that); else alive
 
+A heartbeat that is no time (NaN, infinite) or lies further ahead of this host's clock than the stale
+threshold is no sign of life: the hosts' clocks must agree to well within it, so it counts as stale (such
+a record used to hold a run forever).
+
 Standard library only: the data cache and the launcher use it without torch.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import socket
 import time
@@ -178,6 +183,8 @@ def judge(holder: Holder, stale_s: float, now: float | None = None) -> Verdict:
     """Whether `holder` is provably gone (the rules in the module's docstring) and why."""
     age = (time.time() if now is None else now) - holder.heartbeat
     beat = f"its last heartbeat {max(age, 0.0):.0f} s ago"
+    if not (math.isfinite(age) and age >= -stale_s):  # no time, or from a clock far ahead of ours
+        age, beat = math.inf, f"its heartbeat {holder.heartbeat!r} is no time this host's clock agrees with"
     if holder.host != HOST:
         if age > stale_s:
             return Verdict(True, f"host {holder.host}: {beat}, stale after {stale_s:.0f} s")

@@ -100,9 +100,11 @@ class Trainer:
             gloo_all_reduce(self.control_group) if ctx.distributed else None,
         )
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
-        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group, self.timer.add_stall)
         # Shared with the agent watchdog, which asks for a stop through it when the agent dies.
-        self.stop_request = stop_request or StopRequest()
+        stop = self.stop_request = stop_request or StopRequest()
+        self.session = CheckpointSession(
+            cfg, ctx, self.state, self.control_group, self.timer.add_stall, lambda: stop.requested
+        )
         self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         tensorboard = "tensorboard" in cfg.log.tracker_names

@@ -72,3 +72,11 @@ def test_a_record_round_trips_and_an_old_one_reads() -> None:
     assert Holder.from_dict(me.to_dict(), me.heartbeat) == me
     old = Holder.from_dict({"host": "h", "pid": 3, "token": "x"}, 7.0)
     assert (old.start, old.boot_id, old.heartbeat) == (None, None, 7.0)
+
+
+def test_a_heartbeat_that_is_no_time_or_far_ahead_of_this_clock_is_no_sign_of_life() -> None:
+    now = time.time()
+    for beat in (float("nan"), float("inf"), now + STALE + 60):
+        assert judge(Holder("another-host", 1, "b", 5, beat), STALE, now).gone, beat
+        assert judge(Holder(HOST, os.getpid(), None, None, beat), STALE, now).gone, beat  # no start time
+    assert not judge(Holder("another-host", 1, "b", 5, now + 30), STALE, now).gone  # clocks a little apart

@@ -1,11 +1,17 @@
 """The node-local copy through the trainer and its checkpoint session, in this process on a one-rank gloo
 group: an emergency save while durable storage fails leaves the step in node memory, the next start on the
 node restores it (reading each file once) and commits it to the store; a damaged copy, or one of a stale
-attempt, is passed over for the store's newest; a finished job leaves no copy behind."""
+attempt, is passed over for the store's newest; a finished job leaves no copy behind. A root another user
+made first is never used, and a stuck writer holding the lock never holds up a save or a stop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.fencing import Fence
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.payload import MODEL_FILE
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.elastic.control import PeerFailure
 from elastic_qa.observe.follow import read_events
 from elastic_qa.trainer import Trainer
 from tests import test_trainer_inprocess as inprocess
+from tests.checkpoint.helpers import hers, lock_held
+from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")
 # The trainer on a one-rank group, and what its store holds (verified): as in test_trainer_inprocess.py.
@@ -127,3 +137,106 @@ def test_a_finished_job_leaves_no_node_local_copy(started) -> None:
     trainer.train()
     assert committed(trainer) == [2, 4]
     assert not os.path.exists(node_local.directory) and not os.path.exists(node_local.lock_path)
+
+
+# ---- another user, a stuck writer ----------------------------------------------------------------------
+
+
+def test_a_node_local_root_another_user_made_first_never_holds_up_a_save(started, tmp_path) -> None:
+    # She created the shared root first, mode 0777, and holds the flock of this run's predictable lock.
+    root = hers(tmp_path / "shm" / "elastic_qa")
+    durable = open_store(str(tmp_path / "run" / "checkpoints"))
+    lock = Path(NodeLocalCopy(str(root), durable.display(durable.root)).lock_path)
+    lock.touch()
+    with lock_held(lock):
+        trainer = started(
+            "train.max_steps=6", "checkpoint.every_steps=2", f"checkpoint.node_local_dir={root}"
+        )
+        assert trainer.session.node_local is not None
+        assert trainer.session.node_local.root == f"{root}-{os.geteuid()}"  # this user's own place instead
+        assert trainer.train()["step"] == 6
+        assert committed(trainer) == [2, 4, 6]
+    assert sorted(p.name for p in root.iterdir()) == [lock.name]  # nothing of ours in her directory
+    warnings = [e for e in read_events(Path(trainer.cfg.run.dir)) if e["event"] == "node_local_root_unsafe"]
+    assert len(warnings) == 1 and str(root) == warnings[0]["root"]
+
+
+def test_an_emergency_save_behind_a_stuck_node_local_writer_still_commits_the_step(started) -> None:
+    # Step 4's agreement fails (a lost peer) while a writer holds the copy's lock: the emergency save gives
+    # up on node memory after URGENT_LOCK_WAIT_S and commits step 3 to the store. The holder lets go after
+    # 90 s, so that a save waiting without a bound ends (late) rather than hangs.
+    trainer = started("train.max_steps=6", "checkpoint.every_steps=2")
+    copy = trainer.session.node_local
+    assert copy is not None
+    agree = trainer.control.all_reduce
+    assert agree is not None
+    failed_at: list[float] = []
+    with contextlib.ExitStack() as stack:
+
+        def lost_peer(flags: torch.Tensor):
+            if trainer.state.step == 3:
+                trainer.session.checkpointer.wait()  # step 2's background save is done
+                stack.enter_context(lock_held(Path(copy.lock_path), at_most_s=90))
+                failed_at.append(time.monotonic())
+                raise dist.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+            return agree(flags)
+
+        trainer.control.all_reduce = lost_peer
+        with pytest.raises(PeerFailure):
+            trainer.train()
+        saved_in = time.monotonic() - failed_at[0]
+    trainer.session.hold.stop_heartbeat()
+    trainer.session.hold.release()
+    assert committed(trainer) == [2, 3]
+    # 5 s given up on the copy and the durable save: inside torchrun's 30 s between SIGTERM and SIGKILL.
+    assert saved_in < 20, saved_in
+    events = read_events(Path(trainer.cfg.run.dir))
+    assert {e["step"] for e in events if e["event"] == "node_local_skipped"} == {3}
+    urgent = [e for e in events if e["event"] == "node_local_lock_wait" and e["urgent"]]
+    assert len(urgent) == 1, urgent  # the copy's second try (with the durable save) does not wait again
+
+
+def wait_for_event(run_dir: Path, name: str, process: subprocess.Popen) -> None:
+    """Until the run logs event `name` (AssertionError should its process end first, or a hang guard of
+    120 s pass: a run stuck before it would never end)."""
+    deadline = time.monotonic() + 120
+    while not any(event.get("event") == name for event in read_events(run_dir)):
+        assert process.poll() is None, f"the run ended ({process.returncode}) without logging {name}"
+        assert time.monotonic() < deadline, f"no {name} in {run_dir}"
+        time.sleep(0.05)
+
+
+def test_a_sigterm_while_a_stuck_writer_holds_the_node_local_lock_stops_with_the_step_committed(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # A writer of this user that never lets go (a stopped process of an older job on the same run).
+    root, run_dir = tmp_path / "shm", tmp_path / "run"
+    root.mkdir(mode=0o700)
+    durable = open_store(str(run_dir / "checkpoints"))
+    lock = Path(NodeLocalCopy(str(root), durable.display(durable.root)).lock_path)
+    overrides = tiny_overrides(
+        run_dir,
+        cache_dir,
+        "train.max_steps=100000",
+        "checkpoint.every_steps=2",
+        f"checkpoint.node_local_dir={root}",
+    )
+    command = [sys.executable, "-m", "elastic_qa.train", "--config", "tiny", *overrides]
+    with lock_held(lock):
+        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_event(run_dir, "node_local_lock_wait", run)  # the step-2 save waits on the lock
+            run.send_signal(signal.SIGTERM)
+            _, stderr = run.communicate(timeout=300)  # a guard against a hang, not a timing goal
+        finally:
+            run.kill()
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    events = read_events(run_dir)
+    stop = [e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "sigterm"]
+    assert (
+        len(stop) == 1 and open_store(str(run_dir / "checkpoints")).list_steps()[-1].step == stop[0]["step"]
+    )
+    assert "node_local_skipped" in {e["event"] for e in events}
+    # One wait cut short by the stop, then no more waiting on that holder until the stop commits.
+    urgent = [e for e in events if e["event"] == "node_local_lock_wait" and e["urgent"]]
+    assert len(urgent) == 1, urgent

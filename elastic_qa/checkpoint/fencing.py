@@ -30,6 +30,7 @@ import re
 import time
 import uuid
 
+from elastic_qa.checkpoint.confined import ATTEMPTS_DIR, confined
 from elastic_qa.checkpoint.errors import StaleWriterError
 from elastic_qa.checkpoint.store import CheckpointStore
 
@@ -46,7 +47,7 @@ class FenceError(RuntimeError):
 class Fence:
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store
-        self.directory = store.path("attempts")
+        self.directory = store.path(ATTEMPTS_DIR)
         self.attempt = 0
 
     def _claims(self) -> dict[int, set[str]]:
@@ -67,6 +68,7 @@ class Fence:
 
     def register(self, world_size: int) -> int:
         """Claim the next attempt number (rank 0 only); unique even when registrants race."""
+        confined(self.store.fs, self.store.root, ATTEMPTS_DIR)  # claims are written and withdrawn there
         self.store.fs.makedirs(self.directory, exist_ok=True)
         token = uuid.uuid4().hex[:16]
         number = self.newest() + 1

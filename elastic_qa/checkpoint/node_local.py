@@ -17,6 +17,19 @@ Trust (checked by the session at restore, elastic/session.py): a copy is used on
 manifest names the run the durable store belongs to (`run`) and the newest attempt registered there
 (fencing: a copy written by a stale group is never used), and every rank holds it at the same step.
 
+Another user of the machine: /dev/shm is writable by all, and `<key>` is predictable. So every level used
+under it (the root, `<key>/`, `<key>.lock`) must be this user's own, not a symlink, and writable by no one
+else, checked at every use (lstat; the lock file opened with O_NOFOLLOW and checked by fstat); the root's
+parent must let no one else replace its entries (owned by root or this user, sticky when others may
+write). A root that fails (say another user created /dev/shm/elastic_qa first, mode 0777) is not used:
+the copies go to `<root>-<uid>` instead, checked the same way, and when that fails too the copy is off;
+either is said in one warning (`node_local_root_unsafe`).
+
+Waiting on the lock is bounded: LOCK_WAIT_S, and URGENT_LOCK_WAIT_S once a stop or an emergency save is
+under way (`urgent`), so that neither ever waits behind a stuck writer for the durable save; once a holder
+has outlasted such a wait, the saves until the stop only try the lock (a 1-process run that waited 5 s at
+each save of the steps before the ranks agreed on the stop took 35 s to stop, past torchrun's 30 s).
+
 Errors here never stop training: the first one (a full /dev/shm: ENOSPC) is logged once, the copy is
 removed and turned off for the rest of the process, and the durable checkpoints carry on as before.
 """
@@ -30,7 +43,8 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Collection, Iterator, Mapping
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +55,18 @@ from elastic_qa.observe.log import get_logger
 
 ROOT_ENV = "ELASTIC_QA_NODE_LOCAL_DIR"  # the default root when checkpoint.node_local_dir is empty
 DEFAULT_ROOT = "/dev/shm/elastic_qa"
+# A writer holds the lock while it writes one copy to node memory: about 5 s for BERT-base's 1.3 GB here.
+# A holder past a minute is stuck (say a stopped process of an older job): the copy goes off instead.
+LOCK_WAIT_S = 60.0
+# Once a stop or an emergency save is under way: torchrun's SIGKILL follows its SIGTERM after 30 s, and
+# the durable save needs the rest of them.
+URGENT_LOCK_WAIT_S = 5.0
+_LOCK_POLL_S = 0.05
+_warned_roots: set[str] = set()  # roots found unsafe, warned about once per process
+
+
+class NodeLocalBusy(CheckpointError):
+    """Another process held the copy's lock for longer than this writer may wait."""
 
 
 @dataclass(frozen=True)
@@ -62,26 +88,96 @@ def node_local_root(cfg: CheckpointConfig) -> str:
     return cfg.node_local_dir or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
 
 
-class NodeLocalCopy:
-    """This node's copy of the newest checkpoint of the run whose durable store is at `checkpoint_url`."""
+def not_private(info: os.stat_result, path: str) -> str:
+    """Why the entry `info` (from lstat) at `path` is not this user's own and writable by it alone; ''
+    when it is."""
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link"
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        return f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+    return ""
 
-    def __init__(self, root: str, checkpoint_url: str) -> None:
+
+def check_private_dir(path: str) -> None:
+    """CheckpointError unless `path` is a directory of this user, not a symlink, that nobody else can
+    write into (FileNotFoundError when there is none)."""
+    info = os.lstat(path)
+    problem = not_private(info, path) or ("" if stat.S_ISDIR(info.st_mode) else f"{path} is not a directory")
+    if problem:
+        raise CheckpointError(problem)
+
+
+def private_dir(path: str) -> None:
+    """Create directory `path` (mode 0700) unless it exists, then `check_private_dir` it."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    check_private_dir(path)
+
+
+def root_problem(root: str) -> str:
+    """Why `root` may not hold this user's copies ('' when it may; created, mode 0700, when missing): it
+    must be private (`private_dir`) in a parent where no one else can replace it."""
+    parent = os.path.dirname(root.rstrip("/")) or "/"
+    try:
+        above = os.stat(parent)  # the shared directory itself (/dev/shm may be a link to /run/shm)
+        shared = above.st_mode & 0o022 and not above.st_mode & stat.S_ISVTX
+        if above.st_uid not in (0, os.geteuid()) or shared:
+            mode = stat.S_IMODE(above.st_mode)
+            return f"{parent} lets others replace its entries (uid {above.st_uid}, mode {mode:o})"
+        private_dir(root)
+    except (OSError, CheckpointError) as err:
+        return str(err)
+    return ""
+
+
+def usable_root(root: str) -> str | None:
+    """Where this user's copies go: `root`, else `<root>-<uid>`, else None (off); a root passed over is
+    said in one warning per process."""
+    problem = root_problem(root)
+    if not problem:
+        return root
+    fallback = f"{root.rstrip('/')}-{os.geteuid()}"
+    second = root_problem(fallback)
+    if root not in _warned_roots:
+        _warned_roots.add(root)
+        get_logger().warning(
+            "node_local_root_unsafe",
+            root=root,
+            reason=problem,
+            effect=f"copies in {fallback}" if not second else f"node-local copy off ({second})",
+        )
+    return None if second else fallback
+
+
+class NodeLocalCopy:
+    """This node's copy of the newest checkpoint of the run whose durable store is at `checkpoint_url`.
+
+    `urgent()` says a stop or an emergency save is under way: lock waits shrink to URGENT_LOCK_WAIT_S."""
+
+    def __init__(self, root: str, checkpoint_url: str, urgent: Callable[[], bool] = lambda: False) -> None:
         key = hashlib.sha256(checkpoint_url.encode()).hexdigest()[:16]
         self.root = root
         self.directory = os.path.join(root, key)
         self.lock_path = f"{self.directory}.lock"
         self.store: CheckpointStore = open_store(self.directory)
         self.enabled = True
+        self.urgent = urgent
+        self._held_through_stop = False  # a holder outlasted an urgent wait: the next ones do not wait
         self.log = get_logger()
 
     @classmethod
-    def open(cls, cfg: CheckpointConfig, checkpoint_url: str) -> NodeLocalCopy | None:
-        """The copy for this run, or None: turned off, or no place for it (the root's parent, e.g. /dev/shm,
-        does not exist on this machine)."""
+    def open(
+        cls, cfg: CheckpointConfig, checkpoint_url: str, urgent: Callable[[], bool] = lambda: False
+    ) -> NodeLocalCopy | None:
+        """The copy for this run, or None: turned off, no place for it (the root's parent, e.g. /dev/shm,
+        does not exist on this machine), or no safe place for it (`usable_root`)."""
         root = node_local_root(cfg)
         if not cfg.node_local or not os.path.isdir(os.path.dirname(root.rstrip("/")) or "/"):
             return None
-        return cls(root, checkpoint_url)
+        usable = usable_root(root)
+        return None if usable is None else cls(usable, checkpoint_url, urgent)
 
     @classmethod
     def for_run(cls, cfg: Config) -> NodeLocalCopy | None:
@@ -92,7 +188,8 @@ class NodeLocalCopy:
     # ---- writing ------------------------------------------------------------------------------------
     def commit(self, step: int, files: Mapping[str, bytes], manifest_fields: Mapping[str, Any]) -> bool:
         """Write `files` as the node's copy of `step` and drop every older copy; whether the copy of `step`
-        (or a newer one of the same attempt) stands. Never raises: the first failure turns the copy off."""
+        (or a newer one of the same attempt) stands. Never raises: the first failure turns the copy off
+        (a lock held too long during a stop or an emergency save only skips this copy)."""
         if not self.enabled:
             return False
         attempt = int(manifest_fields.get("attempt", 0))
@@ -109,17 +206,26 @@ class NodeLocalCopy:
                     if info.step != step:
                         self.store.remove(info.path)
             return True
+        except NodeLocalBusy as err:
+            if self.urgent():  # the process is stopping: this save goes to durable storage alone
+                self.log.warning("node_local_skipped", step=step, directory=self.directory, error=str(err))
+                return False
+            self._turn_off(step, err)  # not removed: the copy is the lock holder's
+            return False
         except (OSError, CheckpointError, ValueError) as err:
-            self.enabled = False
-            self.log.warning(
-                "node_local_off",
-                step=step,
-                directory=self.directory,
-                error=f"{type(err).__name__}: {err}",
-                effect="durable checkpoints only from here on",
-            )
+            self._turn_off(step, err)
             self.remove()
             return False
+
+    def _turn_off(self, step: int, err: Exception) -> None:
+        self.enabled = False
+        self.log.warning(
+            "node_local_off",
+            step=step,
+            directory=self.directory,
+            error=f"{type(err).__name__}: {err}",
+            effect="durable checkpoints only from here on",
+        )
 
     def _holds(self, step: int, attempt: int) -> bool:
         """A copy of `step` or newer, written by `attempt`, stands here already (another survivor's)."""
@@ -133,32 +239,54 @@ class NodeLocalCopy:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._check_owned(self.directory)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        private_dir(self.root)
+        private_dir(self.directory)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel should this process die holding it
+            info = os.fstat(fd)  # the file opened, not the path looked at
+            problem = not_private(info, self.lock_path)
+            if problem or not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(problem or f"{self.lock_path} is not a regular file")
+            self._wait_for_lock(fd)  # released by the kernel should this process die holding it
             yield
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _check_owned(directory: str) -> None:
-        """/dev/shm is shared by every user of the machine: use only a directory of ours nobody else can
-        write into (a planted copy would otherwise be restored)."""
-        info = os.lstat(directory)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-            raise CheckpointError(f"{directory} is not a directory of this user that only it can write")
+    def _wait_for_lock(self, fd: int) -> None:
+        """Take the exclusive lock on `fd`, waiting at most LOCK_WAIT_S (URGENT_LOCK_WAIT_S from the moment
+        `urgent()` says so, and not at all once a holder has outlasted one such wait: a stop goes on
+        saving every few steps until the ranks agree on it); NodeLocalBusy past that."""
+        started = time.monotonic()
+        limit = started + LOCK_WAIT_S
+        urgent, said = False, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._held_through_stop = False
+                return
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            if not urgent and self.urgent():
+                urgent, said = True, self._held_through_stop  # said already, for an earlier save
+                limit = min(limit, now + (0.0 if self._held_through_stop else URGENT_LOCK_WAIT_S))
+            if not said:  # once, and once more when the wait is cut short
+                self.log.info("node_local_lock_wait", lock=self.lock_path, urgent=urgent)
+                said = True
+            if now >= limit:
+                self._held_through_stop = urgent
+                raise NodeLocalBusy(f"{self.lock_path} was held by another process for {now - started:.0f} s")
+            time.sleep(_LOCK_POLL_S)
 
     # ---- reading ------------------------------------------------------------------------------------
     def newest(self, keep: Collection[str] = ()) -> NodeLocalState | None:
         """The newest copy on this node that verifies, or None (none, not ours, damaged: logged); with the
         verified bytes of the files in `keep` (a restore loads them, not reading and hashing them again)."""
-        if not self.enabled or not os.path.isdir(self.directory):
+        if not self.enabled or not os.path.lexists(self.directory):
             return None
         try:
-            self._check_owned(self.directory)
+            check_private_dir(self.root)
+            check_private_dir(self.directory)
             steps = self.store.list_steps()
         except (OSError, CheckpointError) as err:
             self.log.warning("node_local_rejected", directory=self.directory, reason=str(err))
@@ -179,9 +307,14 @@ class NodeLocalCopy:
 
     # ---- removing -----------------------------------------------------------------------------------
     def remove(self) -> None:
-        """Remove this run's copy and its lock (the job is done, or the copy is off)."""
-        with contextlib.suppress(OSError):
-            if os.path.isdir(self.directory) and not os.path.islink(self.directory):
+        """Remove this run's copy and its lock (the job is done, or the copy is off): only from a root of
+        this user's own, never anything another user made."""
+        try:
+            if not_private(os.lstat(self.root), self.root):
+                return
+            if not not_private(os.lstat(self.directory), self.directory):
                 shutil.rmtree(self.directory)
+        except OSError:
+            pass
         with contextlib.suppress(OSError):
             os.unlink(self.lock_path)

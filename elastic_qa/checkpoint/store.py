@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 
+from elastic_qa.checkpoint.confined import REJECTED_DIR, confined
 from elastic_qa.checkpoint.errors import CheckpointError, StaleWriterError
 from elastic_qa.observe.log import get_logger
 
@@ -44,14 +45,14 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 2**20  # a manifest lists a handful of files: anything bigger is not one of ours
 _READ_CHUNK = 2**22
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's messages carry terminal bold
 _foreign_logged: set[str] = set()  # symlinks etc. named like step directories, warned about once each
 _STEP_DIR = re.compile(r"^step-([0-9]{8,30})$")  # 30: int() of a hostile 5000-digit name would raise
 _TMP_PREFIX = ".tmp-"
-REJECTED_DIR = "rejected"
 REJECTED_NOTE = "REJECTED.json"
 MANIFEST_FORMAT = 1
 EMPTY_LISTINGS = 3  # listings that must all find no step directory before a store is taken as empty
-RUN_RECORD = "run.json"  # the run the directory belongs to (elastic/run_identity.py)
+RUN_RECORD = "run.json"  # the run the directory belongs to (checkpoint/run_record.py)
 
 
 def step_dir_name(step: int) -> str:
@@ -110,6 +111,14 @@ class Staging:
     written: list[str] = field(default_factory=list)  # each path before its write: a failed one counts
     created: bool = False  # this writer created `directory`
     manifest: bytes | None = None  # set once the manifest write has started
+
+
+def refusal(err: BaseException) -> str:
+    """What torch.load refused, on one line: its message wraps the reason (for a pickle, the global that is
+    not allowed) in a page of advice to load with weights_only=False, which is never done here."""
+    text = " ".join(line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip())
+    detail = text.partition("WeightsUnpickler error:")[2] or text or type(err).__name__
+    return detail.split(" Please use", 1)[0].split(" Check the documentation", 1)[0].strip()[:300]
 
 
 def serialize(obj: Any) -> bytes:
@@ -335,7 +344,9 @@ class CheckpointStore(abc.ABC):
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unpickling failure means: refuse this file
-            raise CheckpointError(f"{path}: {logical} refused by weights_only loading: {err}") from None
+            raise CheckpointError(
+                f"{path}: {logical} refused by weights_only loading: {refusal(err)}"
+            ) from None
 
     def _read_entry(self, path: str, entry: Any, keep: bool) -> bytes:
         """Read the file of one manifest entry, checking its name, size and sha256 (ValueError says which
@@ -485,8 +496,9 @@ class CheckpointStore(abc.ABC):
         if self._is_link(path):
             raise CheckpointError(f"{path} is a symbolic link, not a checkpoint of this store")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        target = self.path(REJECTED_DIR, f"{name}.{stamp}.{uuid.uuid4().hex[:8]}")
-        self.fs.makedirs(self.path(REJECTED_DIR), exist_ok=True)
+        rejected = confined(self.fs, self.root, REJECTED_DIR)  # never through a link out of the store
+        target = f"{rejected}/{name}.{stamp}.{uuid.uuid4().hex[:8]}"
+        self.fs.makedirs(rejected, exist_ok=True)
         self._move(path, target)
         self._note_rejected(target, name, reason)
         return target

@@ -23,9 +23,10 @@ import contextlib
 import time
 from typing import BinaryIO
 
+from elastic_qa.checkpoint.confined import REJECTED_DIR, confined
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.checkpoint.store import (
     MANIFEST,
-    REJECTED_DIR,
     CheckpointStore,
     Staging,
     is_plain_name,
@@ -105,8 +106,9 @@ class ManifestLastStore(CheckpointStore):
 
     def _keep_rejected_manifest(self, final: str, reason: str) -> None:
         name = final.rstrip("/").rsplit("/", 1)[-1]
-        target = self.path(REJECTED_DIR, f"{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-        with contextlib.suppress(OSError):
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        with contextlib.suppress(OSError, CheckpointError):  # kept only inside the store, else not kept
+            target = f"{confined(self.fs, self.root, REJECTED_DIR)}/{name}.{stamp}"
             self.fs.makedirs(target, exist_ok=True)
             self.fs.pipe_file(f"{target}/{MANIFEST}", self.fs.cat_file(f"{final}/{MANIFEST}"))
             self._note_rejected(target, name, reason)

@@ -22,14 +22,20 @@ it: each rank's worker and its torchrun agent (host, boot id, pid, start time; s
 Rank 0 refreshes the heartbeat every HEARTBEAT_S from a daemon thread (one small write; a failing write is
 logged once and never stops training) and removes the record when the job ends done. A job stopped or
 killed leaves it behind: its processes are gone, which is all a later start needs to see.
+
+Only this product's records are ever removed: an entry of `holders/` that is not a regular file holding
+one (a directory, a link, a FIFO, anything unreadable; atomic writes never leave a torn record) is no
+holder and is left alone, and `holders/` itself is used only as a real directory (checkpoint/confined.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -41,12 +47,14 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_qa.checkpoint.confined import HOLDERS_DIR, confined
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.liveness import Holder, Verdict, judge_all, this_process, torchrun_agent_pid
 
-HOLDERS_DIR = "holders"
 HEARTBEAT_S = 10.0
 STALE_S = 120.0  # no heartbeat for this long: a holder on another host is taken for gone
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+MAX_RECORD_BYTES = 2**20  # a record names a job's processes: a few hundred bytes each
 
 
 REFUSED_LINE = "is held by a live job"  # in every refusal: how a tool tells it from other exits 2
@@ -103,6 +111,8 @@ class HoldRecord:
             str(raw.get("run_dir", "")),
             list(raw["processes"]),
         )
+        if not (math.isfinite(record.since) and math.isfinite(record.heartbeat)):
+            raise ValueError("since and heartbeat must be times")
         record.holders  # noqa: B018 - raises now for a record whose processes are not ones
         return record
 
@@ -138,6 +148,7 @@ class RunHold:
         else:
             root = fs._strip_protocol(url)
         self.url, self.fs, self.run_id, self.run_dir = url, fs, run_id, run_dir
+        self.root = root
         self.directory = f"{root.rstrip('/')}/{HOLDERS_DIR}"
         self.mine: HoldRecord | None = None
         self._stop = threading.Event()
@@ -147,9 +158,31 @@ class RunHold:
     def _path(self, run_id: str) -> str:
         return f"{self.directory}/{_SAFE.sub('_', run_id)}.json"
 
+    def _confined(self) -> None:
+        """CheckpointError when `holders/` is not a real directory of the checkpoint directory."""
+        confined(self.fs, self.root, HOLDERS_DIR)
+
+    def _read(self, path: str) -> bytes:
+        """A record's bytes: a regular file only (never through a link, never a FIFO), at most
+        MAX_RECORD_BYTES (ValueError for anything else)."""
+        if isinstance(self.fs, LocalFileSystem):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{path} is not a regular file")
+                data = handle.read(MAX_RECORD_BYTES + 1)
+        else:
+            if self.fs.info(path).get("type") != "file":
+                raise ValueError(f"{path} is not a file")
+            data = self.fs.cat_file(path, start=0, end=MAX_RECORD_BYTES + 1)
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"{path} is larger than a hold record")
+        return data
+
     # ---- reading ------------------------------------------------------------------------------------
     def others(self) -> list[tuple[str, HoldRecord | None]]:
-        """Every other job's record (None: unreadable, which atomic writes never leave: not a holder)."""
+        """Every other job's record (None: not a record, which atomic writes never leave: no holder)."""
+        self._confined()
         self.fs.invalidate_cache()
         try:
             names = self.fs.ls(self.directory, detail=False)
@@ -163,7 +196,7 @@ class RunHold:
                 continue
             path = f"{self.directory}/{base}"
             try:
-                found.append((path, HoldRecord.from_json(self.fs.cat_file(path))))
+                found.append((path, HoldRecord.from_json(self._read(path))))
             except FileNotFoundError:
                 continue  # released meanwhile
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -190,22 +223,26 @@ class RunHold:
     def acquire(self, processes: Iterable[dict[str, Any]], log: Any = None) -> HoldRecord:
         """Take the hold for this job (rank 0, before it registers an attempt), or raise RunHeldError."""
         now = time.time()
+        self._confined()
         try:
-            since = HoldRecord.from_json(self.fs.cat_file(self._path(self.run_id))).since  # a regroup
+            since = HoldRecord.from_json(self._read(self._path(self.run_id))).since  # a regroup
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             since = now
         self.mine = HoldRecord(self.run_id, since, now, self.run_dir, list(processes))
         self.fs.makedirs(self.directory, exist_ok=True)
         self._write(self.mine)
         for path, record in self.others():
-            verdict = record.judge() if record is not None else Verdict(True, "its record is unreadable")
+            if record is None:  # not ours to judge or remove
+                if log is not None:
+                    log.warning("run_hold_foreign_entry", path=path)
+                continue
+            verdict = record.judge()
             if verdict.gone:
                 if log is not None:
-                    what = record.describe() if record is not None else path
-                    log.warning("run_hold_taken_over", previous=what, why=verdict.why)
+                    log.warning("run_hold_taken_over", previous=record.describe(), why=verdict.why)
                 with contextlib.suppress(OSError):
                     self.fs.rm(path)
-            elif record is not None and (record.since, record.run_id) < (since, self.run_id):
+            elif (record.since, record.run_id) < (since, self.run_id):
                 self.release()  # the older holder stays; one that came after us withdraws on seeing us
                 raise RunHeldError(refusal(self.url, record, verdict))
         return self.mine
@@ -213,6 +250,7 @@ class RunHold:
     def _write(self, record: HoldRecord) -> None:
         """Replace this job's record in one step: a reader sees the old record or the new, never half."""
         path = self._path(record.run_id)
+        self._confined()
         if isinstance(self.fs, LocalFileSystem):
             staging = f"{self.directory}/.{uuid.uuid4().hex}.tmp"
             self.fs.pipe_file(staging, record.to_json())
@@ -253,6 +291,7 @@ class RunHold:
         """Give the hold up (the job ended done, or withdrew): a later start needs no liveness check."""
         self.stop_heartbeat()
         if self.mine is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, CheckpointError):
+                self._confined()
                 self.fs.rm(self._path(self.run_id))
             self.mine = None

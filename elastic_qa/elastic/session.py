@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from elastic_qa import debug
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.confined import SUBDIRS, confined
 from elastic_qa.checkpoint.fencing import Fence
 from elastic_qa.checkpoint.locate import CheckpointLocation, resolve_checkpoint_path
 from elastic_qa.checkpoint.manager import STATE_FILES, Checkpointer, LoadedCheckpoint, Rejection
@@ -93,7 +94,9 @@ class FinalOutcome:
 class CheckpointSession:
     """What the trainer asks of its checkpoints: restore, register, whether a save is due, and the saves.
 
-    `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall).
+    `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall);
+    `stop_asked()` says a stop was asked (a signal, the watchdog): from then on no save waits long on the
+    node-local copy's lock, nor does a stop or an emergency save.
     """
 
     def __init__(
@@ -103,13 +106,19 @@ class CheckpointSession:
         state: TrainState,
         control_group: Any,
         on_stall: Callable[[float], None] | None = None,
+        stop_asked: Callable[[], bool] = lambda: False,
     ) -> None:
         self.cfg, self.ctx, self.state = cfg, ctx, state
         self.control_group = control_group
         self.log = get_logger()
         self.store = open_store(cfg.checkpoint_dir)
         self.fence = Fence(self.store)
-        self.node_local = NodeLocalCopy.open(cfg.checkpoint, self.store.display(self.store.root))
+        self._stopping = False  # a stop or an emergency save is under way
+        self.node_local = NodeLocalCopy.open(
+            cfg.checkpoint,
+            self.store.display(self.store.root),
+            urgent=lambda: self._stopping or stop_asked(),
+        )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             self.store,
@@ -258,8 +267,10 @@ class CheckpointSession:
         record of a store without one is written at registration)."""
         here = resolved_run_dir(self.cfg.run.dir)
         try:
+            for name in SUBDIRS:  # written and cleaned later: never through a link out of the store
+                confined(self.store.fs, self.store.root, name)
             record = read_record(self.store)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, CheckpointError) as err:
             raise ResumeError(f"checkpoint.dir={self.store.url}: {err}") from None
         if record is not None and not belongs(record, self.cfg.run.dir, self.store, self.run_id):
             raise self._foreign(record.run_dir, f"run {record.run[:8]}, ")
@@ -524,6 +535,7 @@ class CheckpointSession:
         Storage errors are retried for `checkpoint.emergency_retry_for`: this replica may hold the only copy.
         """
         step = self.state.step
+        self._stopping = True
         self.log.error("emergency_checkpoint", step=step, reason=reason)
         try:
             if step > 0 and self.node_local is not None:  # memory first: done in well under the window
@@ -547,6 +559,7 @@ class CheckpointSession:
 
     def save_for_stop(self) -> None:
         """All ranks stop after this step: rank 0 commits it (collective: every rank's RNG)."""
+        self._stopping = True
         if self.state.step > 0 and self.resumed_step != self.state.step:
             files = self._files()
             if files is not None and not self._save_until_committed(

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
 from elastic_qa.data.examples import DataError
@@ -286,7 +287,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_inputs(args.config, args.overrides)
     use_private_umask(cfg.run.private)  # before the run dir, launch.json and the agents' logs exist
     run_dir = Path(cfg.run.dir)
-    check_writable(run_dir)
+    # The refusals first: a start refused leaves nothing behind in the run directory.
     if (run_dir / "launch.json").exists() and any(alive(a["pid"]) for a in read_job(run_dir)["agents"]):
         print(f"launch: a job is already running in {run_dir} (use join/leave/stop)", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -295,8 +296,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     except RunHeldError as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except CheckpointError as err:  # holders/ is no real directory of the store (checkpoint/confined.py)
+        print(f"elastic-qa: checkpoint.dir={cfg.checkpoint_dir}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
         pass
+    check_writable(run_dir)
     job = {
         "run_id": f"eqa-{os.getpid()}-{int(time.time())}",
         "port": args.port or free_port(),

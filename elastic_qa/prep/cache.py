@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -34,6 +35,7 @@ from elastic_qa.observe.log import get_logger
 from elastic_qa.prep import synthetic
 from elastic_qa.prep.build import Workers, build_split, default_workers
 from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.files import read_small
 from elastic_qa.prep.lease import HOST, Lease, clean_stale_staging, lease, publish, read_holder
 from elastic_qa.prep.sources import CHUNK_LINES, Chunk, ExampleReader, file_digest, parse_chunk, source_urls
 from elastic_qa.prep.tables import hub_identity, is_hub
@@ -49,6 +51,7 @@ from elastic_qa.prep.windows import BuiltinFeaturizer
 CACHE_FORMAT = 7
 WAIT_POLL_S = 0.2
 WAIT_SAY_S = 30.0  # how often a wait for another builder says so again
+INDEX_BYTES = 16 << 20  # content_hash's index: about 200 bytes a file version; larger is not one
 
 
 class Featurizer(Protocol):
@@ -135,18 +138,12 @@ def content_hash(url: str, root: Path) -> str:
         raise DataError(f"{url}: file not found") from None
     except (OSError, ValueError, ImportError, NotImplementedError):
         ukey = None
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
+    index = _hash_index(index_path)
     if ukey is not None and ukey in index:
         return index[ukey]
     digest = file_digest(url)
-    if ukey is not None:
-        try:  # another process may have added entries meanwhile: merge, do not overwrite
-            index = {**json.loads(index_path.read_text()), ukey: digest}
-        except (OSError, ValueError):
-            index[ukey] = digest
+    if ukey is not None:  # another process may have added entries meanwhile: merge, do not overwrite
+        index = {**_hash_index(index_path), ukey: digest}
         staging = index_path.with_name(f"{index_path.name}.{HOST}-{os.getpid()}")
         try:  # only a shortcut: a read-only cache directory still serves the caches published in it
             staging.write_text(json.dumps(index))
@@ -155,6 +152,16 @@ def content_hash(url: str, root: Path) -> str:
             with contextlib.suppress(OSError):
                 staging.unlink()
     return digest
+
+
+def _hash_index(path: Path) -> dict[str, str]:
+    """content_hash's index ({} when it is missing or not one: a regular file of string pairs)."""
+    try:
+        index = json.loads(read_small(str(path), INDEX_BYTES))
+    except (OSError, ValueError):
+        return {}
+    valid = isinstance(index, dict) and all(isinstance(v, str) for v in index.values())
+    return index if valid else {}
 
 
 def _identity(cfg: DataConfig, root: Path) -> dict:
@@ -301,7 +308,7 @@ def prepare(
         if not _ready(final):
             workers = workers or cfg.prepare_workers or default_workers()
             waiting = BuildWait(root / f"{key}.lease", full.data.build_wait.total_seconds())
-            with open(root / f"{key}.lock", "w") as lock:
+            with _lock_file(root / f"{key}.lock") as lock:
                 _queue_on(lock, waiting)
                 _build_once(full, featurizer, key, final, workers, waiting)
     except OSError as err:
@@ -329,7 +336,23 @@ def _unwritable(err: OSError, root: Path) -> bool:
     return path == base or path.startswith(base + os.sep) or base.startswith(path + os.sep)
 
 
-def _queue_on(lock: IO[str], waiting: BuildWait) -> None:
+def _lock_file(path: Path) -> IO[bytes]:
+    """The host's queue file, created or opened without following a link or waiting on a FIFO (O_NONBLOCK
+    opens one at once); DataError unless it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise DataError(f"data.cache_dir: {path} is not a regular file, so never a build's lock (remove it)")
+    return os.fdopen(fd, "r+b")
+
+
+def _queue_on(lock: IO[bytes], waiting: BuildWait) -> None:
     """Ranks of one host queue here; hosts sharing the directory meet at the lease (see lease.py). Where
     the filesystem has no flock, the lease alone keeps a second builder out, as it does across hosts.
 

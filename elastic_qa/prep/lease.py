@@ -27,9 +27,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from elastic_qa.liveness import HOST, Holder, Verdict, judge, this_process
+from elastic_qa.prep.files import read_small
 
 HEARTBEAT_S = 5.0
 STALE_S = 120.0  # no heartbeat for this long: the holder's host is taken for dead
+LEASE_BYTES = 64 * 1024  # a lease record is a few hundred bytes; a larger file is not one
 
 
 def _holder_dead(host: str, pid: int, age: float) -> bool:
@@ -59,7 +61,7 @@ def read_holder(path: Path) -> LeaseHolder | None:
     cannot be read as one (being written right now, or garbage) is judged by its age alone."""
     try:
         heartbeat = path.stat().st_mtime
-        record = json.loads(path.read_text())
+        record = json.loads(read_small(str(path), LEASE_BYTES))
         holder = Holder.from_dict(record, heartbeat)
         since = float(record["since"]) if record.get("since") is not None else None
     except FileNotFoundError:
@@ -110,7 +112,8 @@ def lease(path: Path) -> Iterator[Lease | None]:
         yield Lease(path, token)
     finally:
         with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text()).get("token") == token:  # not if a waiter broke it meanwhile
+            # Not if a waiter broke it meanwhile.
+            if json.loads(read_small(str(path), LEASE_BYTES)).get("token") == token:
                 path.unlink()
 
 

@@ -28,6 +28,7 @@ import fsspec
 
 from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.prep.duplicates import IdAdmission
+from elastic_qa.prep.files import is_local, open_regular
 from elastic_qa.prep.squad import (
     Tally,
     bad_article,
@@ -75,8 +76,7 @@ def source_urls(source: str) -> list[str]:
             raise DataError(f"{entry}: cannot list ({err})") from None
         if not matches:
             raise DataError(f"{entry}: no file matches")
-        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        urls += [m if local else fs.unstrip_protocol(m) for m in matches]
+        urls += [m if is_local(fs) else fs.unstrip_protocol(m) for m in matches]
     if not urls:
         raise DataError(f"{source!r}: names no file")
     return urls
@@ -91,9 +91,10 @@ def is_jsonl(url: str) -> bool:
 
 @contextlib.contextmanager
 def open_source(url: str) -> Iterator[IO[bytes]]:
-    """The file's bytes (decompressed if its name says so); unreadable -> DataError naming it."""
+    """The file's bytes (decompressed if its name says so); unreadable, or not a regular file -> DataError
+    naming it."""
     try:
-        with fsspec.open(url, "rb", compression="infer") as handle:
+        with open_regular(url, infer=True) as handle:
             yield handle
     except FileNotFoundError:
         raise DataError(f"{url}: file not found") from None
@@ -105,7 +106,7 @@ def file_digest(url: str) -> str:
     """sha256 of a file's stored bytes, read in chunks."""
     digest = hashlib.sha256()
     try:
-        with fsspec.open(url, "rb") as handle:
+        with open_regular(url) as handle:
             while chunk := handle.read(1 << 22):
                 digest.update(chunk)
     except FileNotFoundError:

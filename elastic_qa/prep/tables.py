@@ -22,6 +22,7 @@ from typing import IO, Any
 import fsspec
 
 from elastic_qa.data.examples import DataError, QAExample
+from elastic_qa.prep.files import inside, is_local, read_small
 from elastic_qa.prep.squad import parse_qa, require_text
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
@@ -29,6 +30,7 @@ HUB_PREFIX = "hub:"
 ROW_COLUMNS = ("id", "question", "context", "answers")
 _SPLIT_NAME = re.compile(r"[\w.-]+")
 _EXTRA = "pip install 'elastic-qa[datasets]'"
+METADATA_BYTES = 16 << 20  # a state.json names a few files per GB of data: kilobytes
 
 
 def needs(module: str, what: str) -> Any:
@@ -122,7 +124,8 @@ def row_example(row: dict[str, Any]) -> QAExample:
 
 def saved_dataset_files(entry: str) -> list[str] | None:
     """The Arrow files of a `datasets` save_to_disk directory, `DIR` (a Dataset) or `DIR:SPLIT` (a split
-    of a DatasetDict), in order; None when `entry` names no directory (a file, or nothing)."""
+    of a DatasetDict), in order; None when `entry` names no directory (a file, or nothing). The names its
+    JSON files give (splits, data files) must stay inside it: they are the directory's, not this run's."""
     base, split = entry, None
     head, colon, tail = entry.rpartition(":")
     if colon and head and _SPLIT_NAME.fullmatch(tail):
@@ -133,37 +136,77 @@ def saved_dataset_files(entry: str) -> list[str] | None:
             return None
         path = path.rstrip("/")
         if fs.exists(f"{path}/dataset_dict.json"):
-            splits = _json(fs, f"{path}/dataset_dict.json", entry).get("splits", [])
+            splits = _names(_json(fs, path, "dataset_dict.json", entry), "splits", entry)
             if split is None:
                 raise DataError(
-                    f"{entry}: a DatasetDict directory (splits: {', '.join(splits)}): name one, "
-                    f"e.g. {entry}:{splits[0] if splits else 'train'}"
+                    f"{entry}: a DatasetDict directory (splits: {_listed(splits)}): name one, "
+                    f"e.g. {entry}:{_listed(splits[:1]) or 'train'}"
                 )
             if split not in splits:
-                raise DataError(f"{entry}: no split {split!r} (splits: {', '.join(splits)})")
-            path = f"{path}/{split}"
+                raise DataError(f"{entry}: no split {split!r} (splits: {_listed(splits)})")
+            where = f"{entry}: dataset_dict.json's splits[{splits.index(split)}]"
+            path = inside(fs, path, split, where)
         elif split is not None:
             raise DataError(f"{entry}: {base} holds one dataset, not a DatasetDict: drop ':{split}'")
         if not fs.exists(f"{path}/state.json"):
             raise DataError(f"{entry}: a directory, not a file or a `datasets` save_to_disk directory")
-        state = _json(fs, f"{path}/state.json", entry)
-        names = [item.get("filename") for item in state.get("_data_files", []) if isinstance(item, dict)]
+        paths = _data_files(fs, path, _json(fs, path, "state.json", entry), entry)
     except DataError:
         raise
     except (OSError, ValueError, ImportError) as err:
         raise DataError(f"{entry}: cannot read ({err})") from None
-    if not names or not all(isinstance(name, str) for name in names):
+    if not paths:
         raise DataError(f"{entry}: state.json lists no data files")
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    files = [f"{path}/{name}" for name in names]
-    return files if local else [fs.unstrip_protocol(f) for f in files]
+    return paths if is_local(fs) else [fs.unstrip_protocol(f) for f in paths]
 
 
-def _json(fs: Any, path: str, entry: str) -> dict[str, Any]:
-    with fs.open(path, "r") as handle:
-        document = json.load(handle)
+def _names(document: dict[str, Any], key: str, entry: str) -> list[str]:
+    """A list of names in dataset_dict.json (a string is not a list of its letters)."""
+    names = document.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise DataError(f"{entry}: dataset_dict.json's {key} is {_shown(names)}, not a list of names")
+    return names
+
+
+def _data_files(fs: Any, directory: str, state: dict[str, Any], entry: str) -> list[str]:
+    """The paths of the Arrow files state.json lists, each checked to be a name inside `directory`."""
+    files = state.get("_data_files", [])
+    if not isinstance(files, list):
+        raise DataError(f"{entry}: state.json's _data_files is {_shown(files)}, not a list of objects")
+    paths = []
+    for i, item in enumerate(files):
+        field = f"state.json's _data_files[{i}]"
+        if not isinstance(item, dict):
+            raise DataError(f"{entry}: {field} is {_shown(item)}, not an object with a filename")
+        paths.append(inside(fs, directory, item.get("filename"), f"{entry}: {field}.filename"))
+    return paths
+
+
+_JSON_KINDS = {str: "a string", dict: "an object", list: "a list", bool: "a boolean", int: "a number"}
+
+
+def _shown(value: Any) -> str:
+    """A JSON value in an error line: what kind it is, and the value itself when it is short."""
+    kind = "null" if value is None else _JSON_KINDS.get(type(value), "a number")
+    text = json.dumps(value)
+    return f"{kind} ({text})" if value is not None and len(text) <= 40 else kind
+
+
+def _listed(names: list[str]) -> str:
+    """Split names for an error line (one line whatever the names hold)."""
+    return ", ".join(name if name.isprintable() else repr(name) for name in names)
+
+
+def _json(fs: Any, directory: str, name: str, entry: str) -> dict[str, Any]:
+    """A `datasets` JSON file of `directory`: a regular file inside it, of at most METADATA_BYTES, holding
+    an object."""
+    path = inside(fs, directory, name, f"{entry}:")
+    try:
+        document = json.loads(read_small(fs.unstrip_protocol(path), METADATA_BYTES))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{entry}: cannot read {name} ({err})") from None
     if not isinstance(document, dict):
-        raise DataError(f"{entry}: {os.path.basename(path)} is not a JSON object")
+        raise DataError(f"{entry}: {name} is not a JSON object")
     return document
 
 

@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
 from elastic_qa.config import ConfigError
+from elastic_qa.prep.files import open_regular
 from elastic_qa.prep.tokenizer import CLS, PAD, SEP, UNK
 
 SPECIALS = {"[PAD]": PAD, "[CLS]": CLS, "[SEP]": SEP, "[UNK]": UNK}
@@ -132,7 +131,7 @@ def parse(text: str | bytes, where: str) -> WordPieceTokenizer:
 def read_vocab_file(url: str) -> bytes:
     """The bytes of `data.vocab_file`; ConfigError naming it when it cannot be read."""
     try:
-        with fsspec.open(url, "rb") as handle:
+        with open_regular(url) as handle:
             return handle.read()
     except FileNotFoundError:
         raise ConfigError(f"data.vocab_file={url!r}: file not found") from None

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,6 +86,43 @@ def crafted_tensor_file(marker: str) -> bytes:
 def crafted_plain_pickle(marker: str) -> bytes:
     """The same payload as a bare (non-zip) pickle: torch.load's legacy format."""
     return pickle.dumps({"payload": TouchOnUnpickle(marker)}, protocol=2)
+
+
+HER = 65534  # another user of the machine (nobody); the tests run as root, so they can act as her
+
+
+@contextlib.contextmanager
+def lock_held(path: Path, at_most_s: float | None = None) -> Iterator[None]:
+    """Another process holds the flock on `path` (created if missing) until the block ends, or for
+    `at_most_s` (a writer that is slow, not stuck: what waits on it without a bound ends all the same)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, select, sys\n"
+            f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT, 0o666)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            f"select.select([sys.stdin], [], [], {at_most_s!r})\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def hers(path: Path, mode: int = 0o777) -> Path:
+    """`path` (a directory, made if missing) as another user made it, with `mode`."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, HER, HER)
+    os.chmod(path, mode)
+    return path
 
 
 def age(path: str, seconds: float) -> None:

@@ -3,8 +3,10 @@ a read outside the checkpoint directory, or a change to anything that is not our
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from contextlib import redirect_stdout, suppress
@@ -22,7 +24,8 @@ from elastic_qa.checkpoint.payload import MODEL_FILE, TRAINER_FILE
 from elastic_qa.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, serialize, step_dir_name
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import CheckpointConfig
-from tests.checkpoint.helpers import event_names, file_path, manifest_fields, small_files
+from tests.checkpoint.helpers import crafted_tensor_file, event_names, file_path, manifest_fields, small_files
+from tests.checkpoint.runs import train
 
 # ---- helpers ------------------------------------------------------------------------------------------
 
@@ -510,3 +513,23 @@ def test_ckpt_list_escapes_control_characters_a_manifest_holds(local: Checkpoint
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert out.splitlines()[1].endswith("yes")
+
+
+def test_a_pickled_resume_from_is_refused_in_one_line_that_never_advises_weights_only_false(
+    trained: Path, tmp_path: Path, cache_dir: Path
+) -> None:
+    step_dir = tmp_path / "given" / step_dir_name(30)
+    shutil.copytree(trained / "checkpoints" / step_dir_name(30), step_dir)
+    marker = tmp_path / "code-ran"
+    crafted = crafted_tensor_file(str(marker))
+    (step_dir / MODEL_FILE).write_bytes(crafted)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["files"][MODEL_FILE].update(size=len(crafted), sha256=hashlib.sha256(crafted).hexdigest())
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+    result = train(tmp_path / "run", cache_dir, f"checkpoint.resume_from={step_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.pt refused by weights_only loading: Unsupported global" in lines[0], (
+        lines
+    )
+    assert "False" not in lines[0] and not marker.exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.elastic import hold
 from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.liveness import this_process
@@ -121,12 +122,56 @@ def test_a_failing_heartbeat_never_raises_into_training(tmp_path: Path, monkeypa
     held.stop_heartbeat()
 
 
-def test_an_unreadable_record_is_no_holder(tmp_path: Path) -> None:
+def test_an_unreadable_record_is_no_holder_and_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "holders").mkdir()
     (tmp_path / "holders" / "junk.json").write_text("{not json")
     RunHold(str(tmp_path), "single-new", "/r").check()
     RunHold(str(tmp_path), "single-new", "/r").acquire([this_process().to_dict()])
-    assert sorted(p.name for p in (tmp_path / "holders").iterdir()) == ["single-new.json"]
+    assert sorted(p.name for p in (tmp_path / "holders").iterdir()) == ["junk.json", "single-new.json"]
+
+
+def test_a_record_that_is_a_directory_is_no_holder_and_is_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "holders" / "eqa-dir.json").mkdir(parents=True)
+    (tmp_path / "holders" / "eqa-dir.json" / "notes").write_text("mine")
+    RunHold(str(tmp_path), "single-new", "/r").check()
+    RunHold(str(tmp_path), "single-new", "/r").acquire([this_process().to_dict()])
+    assert (tmp_path / "holders" / "eqa-dir.json" / "notes").read_text() == "mine"
+
+
+def test_a_record_that_is_a_link_is_never_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.json"  # a live job's record, elsewhere
+    outside.write_text(json.dumps(record_of("eqa-live", [this_process().to_dict()], since=1.0)))
+    (tmp_path / "holders").mkdir()
+    (tmp_path / "holders" / "eqa-link.json").symlink_to(outside)
+    RunHold(str(tmp_path), "single-new", "/r").check()
+    RunHold(str(tmp_path), "single-new", "/r").acquire([this_process().to_dict()])
+    assert (tmp_path / "holders" / "eqa-link.json").is_symlink() and outside.exists()
+
+
+def test_a_holders_directory_that_links_elsewhere_is_neither_written_nor_cleaned(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.json").write_text('{"mine": true}')
+    gone = record_of("eqa-old", [dead_process()], since=1.0)  # a record a start would take over
+    (elsewhere / "eqa-old.json").write_text(json.dumps(gone))
+    store = tmp_path / "checkpoints"
+    store.mkdir()
+    (store / "holders").symlink_to(elsewhere)
+    held = RunHold(str(store), "single-new", "/r")
+    for attempt in (held.check, lambda: held.acquire([this_process().to_dict()])):
+        with pytest.raises(CheckpointError, match=r"holders is a symbolic link to .*elsewhere"):
+            attempt()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["eqa-old.json", "keep.json"]
+
+
+@pytest.mark.parametrize("heartbeat", [float("nan"), float("inf"), 1e12])
+def test_a_remote_holder_whose_heartbeat_is_no_time_or_far_ahead_holds_nothing(
+    tmp_path: Path, heartbeat: float
+) -> None:
+    remote = {"host": "elsewhere", "pid": 1, "boot_id": "b", "start": 5}
+    plant(tmp_path, record_of("eqa-remote", [remote], since=1.0, heartbeat=heartbeat))
+    RunHold(str(tmp_path), "single-new", "/r").check()
+    RunHold(str(tmp_path), "single-new", "/r").acquire([this_process().to_dict()])
 
 
 def test_launcher_start_refuses_a_run_a_live_job_holds_before_starting_any_agent(

@@ -7,17 +7,21 @@ once; trackers that raise or hang are dropped and training finishes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from elastic_qa.config import Config, resolve_config
+from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.observe.follow import read_events
+from elastic_qa.observe.trackers import check_installed
 from elastic_qa.observe.trackers.background import BackgroundTracker, TrackerRun
 from elastic_qa.observe.trackers.mlflow_run import RUN_TAG, MlflowRun
 from elastic_qa.observe.trackers.wandb_run import WandbRun, offline_high_water, offline_history
@@ -184,3 +188,94 @@ def test_trackers_that_raise_or_hang_are_dropped_with_one_warning_each_and_train
     assert [e["step"] for e in events if e["event"] == "train_done"] == [STEPS]
     (run,) = mlflow_runs(db)  # the healthy tracker beside them got everything
     assert mlflow_steps(db, run.info.run_id, "loss") == list(range(1, STEPS + 1))
+
+
+OTHER_UID = 65534  # nobody: another user of the machine
+# Capabilities that let root write where the owner and mode say no: dropped from the bounding set in the
+# child (prctl PR_CAPBSET_DROP), root then meets a folder's mode bits as any user does. The child cannot run
+# as another uid here: the interpreter lies under root's private home.
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 24, 1, 2, 3
+
+
+def without_root_override() -> None:
+    """preexec_fn: the child (root or not) can write only where owner and mode let it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER):
+        if os.geteuid() == 0 and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def wandb_unwritable(tmp_path: Path, how: str) -> Path:
+    """A folder W&B cannot write in, for a process without root's override (as any user)."""
+    if how == "under a regular file":
+        (tmp_path / "file").write_text("a regular file, not a directory\n")
+        return tmp_path / "file" / "wandb"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if "another user's" in how and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user takes root")
+    if how == "another user's folder":
+        os.chown(folder, OTHER_UID, OTHER_UID)  # mode 0755: hers
+    elif how == "read-only folder":
+        folder.chmod(0o555)
+    else:  # W&B's own folder in it is another user's
+        (folder / "wandb").mkdir()
+        os.chown(folder / "wandb", OTHER_UID, OTHER_UID)
+    return folder
+
+
+UNWRITABLE = [
+    "another user's folder",
+    "read-only folder",
+    "its wandb folder another user's",
+    "under a regular file",
+]
+
+
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_training_refuses_an_unwritable_wandb_dir_in_one_line_and_never_writes_to_the_temp_dir(
+    tmp_path: Path, cache_dir: Path, how: str
+) -> None:
+    shared = tmp_path / "system-temp"  # W&B's fallback, the system's temporary directory, made private
+    shared.mkdir()
+    folder = wandb_unwritable(tmp_path, how)
+    extra = ("log.trackers=[wandb]", "log.wandb.mode=offline", f"log.wandb.dir={folder}", "train.max_steps=2")
+    command = [sys.executable, "-m", "elastic_qa.train", "--config", "tiny"]
+    command += tiny_overrides(tmp_path / "run", cache_dir, *extra)
+    env = {**os.environ, "TMPDIR": str(shared), "WANDB_SILENT": "true"}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env=env, preexec_fn=without_root_override
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("elastic-qa:")]
+    assert len(said) == 1 and f"log.wandb.dir={folder}: W&B cannot write there" in said[0], result.stderr
+    assert not (shared / "wandb").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before training started
+
+
+def test_a_wandb_dir_from_wandb_dir_that_cannot_be_written_is_refused_naming_wandb_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = wandb_unwritable(tmp_path, "under a regular file")
+    monkeypatch.setenv("WANDB_DIR", str(folder))
+    with pytest.raises(ConfigError, match=rf"^WANDB_DIR={folder}: W&B cannot write there \({tmp_path}/file "):
+        check_installed(tiny_config(tmp_path, "log.trackers=[wandb]"))
+
+
+def test_a_wandb_dir_that_cannot_be_written_when_the_tracker_opens_drops_it_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder was fine at the start, but not where and when rank 0 opens the tracker (a new rank 0
+    after a regroup, on another node): dropped with its warning, never written to the temp dir."""
+    shared = tmp_path / "system-temp"
+    shared.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))  # where W&B would go instead
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    folder = wandb_unwritable(tmp_path, "under a regular file")
+    cfg = tiny_config(tmp_path, "log.trackers=[wandb]", "log.wandb.mode=offline", f"log.wandb.dir={folder}")
+    tracker = BackgroundTracker(WandbRun(cfg, UUID), timeout_s=120)
+    tracker.close(finished=False)
+    assert (
+        tracker.dropped is not None and f"log.wandb.dir={folder}: W&B cannot write there" in tracker.dropped
+    )
+    assert not (shared / "wandb").exists()

@@ -27,12 +27,17 @@ _PACKAGES = {"mlflow": ("mlflow", "elastic-qa[mlflow]"), "wandb": ("wandb", "ela
 
 
 def check_installed(cfg: Config) -> None:
-    """ConfigError naming the extra when a tracker in log.trackers is not installed."""
+    """ConfigError naming the extra when a tracker in log.trackers is not installed, or the setting when
+    W&B could not write its folder (wandb_run.check_dir)."""
     for name in cfg.log.tracker_names:
         if name in _PACKAGES:
             module, extra = _PACKAGES[name]
             if importlib.util.find_spec(module) is None:
                 raise ConfigError(f"log.trackers lists {name}, which needs a package: pip install '{extra}'")
+    if "wandb" in cfg.log.tracker_names:
+        from elastic_qa.observe.trackers.wandb_run import check_dir, wandb_dir
+
+        check_dir(*wandb_dir(cfg))
 
 
 class Trackers:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from elastic_qa.config import Config
+from elastic_qa.config import Config, ConfigError
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.trackers.background import QUEUE_CALLS, Record, tracker_run_name
 
@@ -31,7 +32,7 @@ class WandbRun:
         self.run_uuid = run_uuid
         self.run_name = tracker_run_name(cfg)
         self.config = cfg.to_dict()
-        self.dir = self.settings.dir or os.environ.get("WANDB_DIR") or cfg.run.dir
+        self.dir, self.dir_setting = wandb_dir(cfg)
         self.run: Any = None
 
     def open(self) -> dict[str, int]:
@@ -39,6 +40,7 @@ class WandbRun:
 
         offline = self.settings.mode == "offline"
         earlier = offline_high_water(Path(self.dir) / "wandb", self.run_uuid) if offline else {}
+        check_dir(self.dir, self.dir_setting)  # it may have changed since the start, or on this host
         Path(self.dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=self.settings.project,
@@ -64,6 +66,37 @@ class WandbRun:
 
         self.run.finish(exit_code=0 if finished else 1)
         wandb.teardown()  # waits for W&B's own process to have written (offline) or sent everything
+
+
+def wandb_dir(cfg: Config) -> tuple[str, str]:
+    """The folder W&B writes in, and the setting that chose it (for messages)."""
+    if cfg.log.wandb.dir:
+        return cfg.log.wandb.dir, "log.wandb.dir"
+    if os.environ.get("WANDB_DIR"):
+        return os.environ["WANDB_DIR"], "WANDB_DIR"
+    return cfg.run.dir, "log.wandb.dir is empty, so run.dir"
+
+
+def check_dir(path: str, setting: str) -> None:
+    """ConfigError naming `setting` unless W&B can create and write the folder `path` and its `wandb`
+    folder. Where it cannot create or write `path`, W&B writes the run to the system's temporary directory
+    instead, which every local user shares, and says so only on a console nobody may read: never let it."""
+    folder = Path(path).absolute()
+    existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    # W&B's own test (os.access), on the folder or the nearest level that exists, where it would create it.
+    for level in (existing, folder / "wandb") if existing == folder else (existing,):
+        if not os.path.lexists(level):
+            continue
+        if not level.is_dir():
+            why = f"{level} is not a directory"
+        elif not os.access(level, os.R_OK | os.W_OK | os.X_OK):
+            why = f"{level} is not writable by this user"
+        else:
+            continue
+        raise ConfigError(
+            f"{setting}={path}: W&B cannot write there ({why}); it would write the run to "
+            f"{tempfile.gettempdir()}, which other users can read: name a folder this user can write"
+        )
 
 
 def offline_high_water(wandb_dir: Path, run_id: str) -> dict[str, int]:
