@@ -159,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from elastic_qa.recipe import deviations_comment
+    from elastic_qa.run_qa_recipe import deviations_comment
 
     # Shown even while a setting that training needs is empty: seeing the config is how one fills it in.
     cfg = resolve_config(args.config, args.overrides, complete=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from elastic_qa import holds
 from elastic_qa.config import Config
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 
 
@@ -55,7 +56,7 @@ def after_step(
         if not marker.exists():
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
-            get_logger().warning("debug_kill", step=step)
+            get_logger().warning(Event.DEBUG_KILL, step=step)
             os.kill(os.getpid(), signal.SIGKILL)
     if debug.hold_dir or debug.step_delay.total_seconds() > 0:
         flush()

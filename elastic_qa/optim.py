@@ -102,8 +102,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
         {"params": no_decay, "weight_decay": 0.0},
     ]
     try:
-        # The fused kernel (CPU and CUDA since torch 2.4) is one pass over the parameters: measured 0.8 ms
-        # per step for the default model on one CPU thread, against 3.9 ms for foreach, 4.4 ms for the loop.
+        # The fused kernel (CPU and CUDA since torch 2.4) is one pass over the parameters, several times
+        # faster than foreach or the loop on CPU (docs/benchmarks.md, "Throughput": the figures and command).
         return torch.optim.AdamW(groups, lr=cfg.train.peak_lr, fused=True)
     except (RuntimeError, ValueError):  # a device or torch build without the fused kernel
         return torch.optim.AdamW(groups, lr=cfg.train.peak_lr, foreach=True)

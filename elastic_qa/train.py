@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # isort: off
 # First: the start-up clock's `interpreter` phase ends here, before the imports below (torch among them).
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.startup import STARTUP, dynamo_warmup, structlog_without_rich
 
 if __name__ == "__main__":  # a worker process of its own, not an import by the Python API
@@ -159,21 +160,21 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         log.warning("run_held", error=str(err))
         raise
     except (DataError, ResumeError, ConfigError) as err:
-        log.error("bad_input", error=str(err))
+        log.error(Event.BAD_INPUT, error=str(err))
         raise
     except PeerFailure as err:
-        log.error("peer_failure", error=str(err))  # failure_reason's line
+        log.error(Event.PEER_FAILURE, error=str(err))  # failure_reason's line
         raise
     except (CheckpointError, FinalStateError) as err:
         log.error("checkpoint_fatal", error=str(err))
         raise
     except Exception as err:
         if isinstance(err, OSError) and err.errno in _UNWRITABLE:  # e.g. a read-only checkpoint.dir
-            log.error("bad_input", error=str(err))
+            log.error(Event.BAD_INPUT, error=str(err))
             raise
         # Logged so that a launcher can tell a crash loop (the same error every attempt) from bad luck.
         log.error(
-            "worker_crash",
+            Event.WORKER_CRASH,
             error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
             traceback=traceback.format_exc(limit=8),
         )

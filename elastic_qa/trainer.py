@@ -48,6 +48,7 @@ from elastic_qa.loop.step_log import StepLog, StepStats
 from elastic_qa.models import family_for
 from elastic_qa.observe.breakdown import StepTimer
 from elastic_qa.observe.console import Console
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.ledger import SampleLedger
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.startup import STARTUP
@@ -136,7 +137,7 @@ class Trainer:
         STARTUP.mark("register")
         ctx = self.ctx
         self.log.info(
-            "worker_start",
+            Event.WORKER_START,
             attempt=attempt,
             world_size=ctx.world_size,
             backend=ctx.backend,
@@ -204,7 +205,7 @@ class Trainer:
             full_width=self.family.full_width,
         )
         self.log.info(
-            "train_start",
+            Event.TRAIN_START,
             step=state.step,
             max_steps=state.end_step,
             **({"epochs": cfg.train.epochs} if cfg.train.epochs else {}),
@@ -213,7 +214,7 @@ class Trainer:
         )
         self.session.start_schedule()
         self.control.begin(state.step + 1)
-        self.model.train()  # once: evaluation puts it back (walking every module costs ~0.1 ms a step)
+        self.model.train()  # once: evaluation puts it back (walking every module each step costs time)
         return iter(loader)
 
     def run_step(self, batches: Iterator[StepBatch]) -> Decision:
@@ -265,7 +266,7 @@ class Trainer:
     def _after_step(self, batch: StepBatch, stats: StepStats, decision: Decision) -> None:
         cfg, step, end = self.cfg, self.state.step, self.state.end_step
         if self.compile_watch and (news := self.compile_watch.news()):
-            self.log.info("compile", step=step, **news)
+            self.log.info(Event.COMPILE, step=step, **news)
         self.control.deliver()  # earlier steps' lines (and diagnosis), summed on this step's agreement
         if self._logs_line(step):
             rate = self.timer.samples_per_s(batch.global_count)
@@ -301,7 +302,9 @@ class Trainer:
         STARTUP.reported = True
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         warm = forked_worker()  # a fork of the agent's forkserver, its imports done (launcher/warm_start.py)
-        self.log.info("startup", step=self.state.step, restart_count=restart, warm=warm, **STARTUP.fields())
+        self.log.info(
+            Event.STARTUP, step=self.state.step, restart_count=restart, warm=warm, **STARTUP.fields()
+        )
 
     def _evaluate(self) -> dict[str, float] | None:
         return self.scoring.run(unwrap(self.model), self.trackers)
@@ -313,7 +316,7 @@ class Trainer:
         # The control all-reduce carries that some rank was asked to stop, not by what: a rank that was not
         # signalled itself (rank 0 when `leave` stopped another agent) names the stop generically.
         reason = self.stop_request.signal_name or OTHER_RANK_STOP
-        self.log.warning("stopping", step=self.state.step, signal=reason)
+        self.log.warning(Event.STOPPING, step=self.state.step, signal=reason)
         with self.stop_request.saving():
             self.session.save_for_stop()
         if self.trackers:
@@ -336,7 +339,7 @@ class Trainer:
         if self.trackers:
             self.trackers.close(finished=True)
         self.log.info(
-            "train_done",
+            Event.TRAIN_DONE,
             step=self.state.step,
             tokens_seen=self.state.tokens_seen,
             **({"em": scores["em"], "f1": scores["f1"], "eval_loss": scores["loss"]} if scores else {}),

@@ -24,8 +24,8 @@ import pytest
 from tests.conftest import REPO
 
 LAYERS = {
-    "elastic_qa": 0, "config": 0, "config_changes": 0, "recipe": 0, "exits": 0, "network": 0, "liveness": 0,
-    "run_length": 0, "argtypes": 0,
+    "elastic_qa": 0, "config": 0, "config_changes": 0, "run_qa_recipe": 0, "exits": 0, "network": 0,
+    "liveness": 0, "run_length": 0, "argtypes": 0,
     "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
     "compile": 1,
     "prep": 1,
@@ -95,6 +95,46 @@ def test_the_layout_page_names_every_module_and_package() -> None:
     ]
     assert parts, "no modules found"
     assert [p for p in parts if p not in layout] == [], "name them in docs/layout.md"
+
+
+def layout_entries() -> dict[str, str]:
+    """docs/layout.md's tree: each entry (`  name.py`, `  name/`) -> its text, continuation lines included."""
+    block = (REPO / "docs" / "layout.md").read_text().split("```")[1]
+    entries: dict[str, str] = {}
+    current = ""
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            current = line.split()[0]
+        if current:
+            entries[current] = entries.get(current, "") + line + "\n"
+    return entries
+
+
+def test_the_layout_page_names_every_module_under_its_package() -> None:
+    """Every module of a package of elastic_qa is named in that package's entry of docs/layout.md: a new
+    module without its line, or a line left for a module that is gone, fails here."""
+    entries = layout_entries()
+    modules = sorted(
+        p.relative_to(REPO / "elastic_qa")
+        for p in (REPO / "elastic_qa").rglob("*.py")
+        if p.name != "__init__.py" and len(p.relative_to(REPO / "elastic_qa").parts) > 1
+    )
+    assert len(modules) > 50, modules
+    unnamed = [str(m) for m in modules if m.name not in entries.get(f"{m.parts[0]}/", "")]
+    assert unnamed == [], "name each in its package's entry of docs/layout.md"
+    named = {
+        (top, word.strip("(),;`+"))
+        for top, text in entries.items()
+        if top.endswith("/")
+        for word in text.split()
+        if word.strip("(),;`+").endswith(".py")
+    }
+    stale = sorted(
+        f"{top}{name}"
+        for top, name in named
+        if (REPO / "elastic_qa" / top).is_dir() and not list((REPO / "elastic_qa" / top).rglob(name))
+    )
+    assert stale == [], "docs/layout.md names modules that do not exist"
 
 
 def test_no_module_imports_a_layer_above_it_or_an_entry_point() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_qa.config import load_config, packaged_config
-from elastic_qa.recipe import RUN_QA, deviations
+from elastic_qa.run_qa_recipe import RUN_QA, deviations
 
 pytest.importorskip("transformers")  # kind=hf configs check that transformers is installed
 

@@ -26,6 +26,7 @@ from elastic_qa.bench.common import (
     summary,
 )
 from elastic_qa.bench.runs import Spec, bench_config, default_threads, events_of, run_product
+from elastic_qa.observe.events import Event
 
 EAGER, COMPILED = "eager", "compiled"
 
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     specs = {
         name: Spec(
             args.config,
-            [*args.overrides, f"train.compile={flag}"],
+            # The compile caches in the work directory (removed with it); the overrides may name another.
+            [f"train.compile_cache_dir={work / 'compile-caches'}", *args.overrides, f"train.compile={flag}"],
             args.steps,
             cfg.log.every_steps,
             args.skip,
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"[compile] rep {rep + 1}/{args.reps}: {variant} ...", flush=True)
         rates[variant].append(run_product(specs[variant], world, threads, run_dir).steps_per_s)
         if variant == COMPILED:
-            compiles = events_of(run_dir, "compile")
+            compiles = events_of(run_dir, Event.COMPILE)
             compile_s.append(sum(row["step_s"] for row in compiles))
             first = [row["step_s"] for row in compiles if row["step"] == 1]
             if first:

@@ -15,6 +15,7 @@ from elastic_qa.chaos.evidence import check_ledger, checkpoint_store, run_config
 from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import step_dir_name
 from elastic_qa.models import family_for
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
 from elastic_qa.prep import prepare
@@ -54,11 +55,11 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
     old = [e for e in events if e.get("pid") == killed_pid]
     new = [e for e in events if e.get("pid") != killed_pid and e.get("ts", 0) >= killed]
 
-    def of(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    def of(rows: list[dict[str, Any]], name: Event) -> list[dict[str, Any]]:
         return [e for e in rows if e.get("event") == name]
 
-    starts = of(events, "worker_start")
-    check("one worker before the kill, one after", len(starts) == 2 and len(of(new, "worker_start")) == 1)
+    starts = of(events, Event.WORKER_START)
+    check("one worker before the kill, one after", len(starts) == 2 and len(of(new, Event.WORKER_START)) == 1)
     backend, device = ("nccl", "cuda") if cuda else ("gloo", "cpu")
     for number, start in enumerate(starts, start=1):
         check(
@@ -66,13 +67,13 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
             start.get("backend") == backend and str(start.get("device", "")).startswith(device),
             f"backend {start.get('backend')}, device {start.get('device')}",
         )
-    commits = [e for e in of(events, "checkpoint_committed") if e.get("reason") == "periodic"]
+    commits = [e for e in of(events, Event.CHECKPOINT_COMMITTED) if e.get("reason") == "periodic"]
     committed_before = [e["step"] for e in commits if e.get("pid") == killed_pid and e["ts"] <= killed]
     check("a checkpoint was committed before the kill", bool(committed_before))
-    resume = of(new, "resume")
+    resume = of(new, Event.RESUME)
     resumed = resume[0]["step"] if resume else None
     check("the new worker resumed from a checkpoint", resumed is not None, "it started fresh")
-    attempt = next((e.get("attempt") for e in of(old, "worker_start")), None)
+    attempt = next((e.get("attempt") for e in of(old, Event.WORKER_START)), None)
     reached = max((r["step"] for r in read_ledger(run_dir) if r["attempt"] == attempt), default=None)
     if resumed is not None and committed_before and reached is not None:
         check(
@@ -81,13 +82,13 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
             f"resumed at {resumed}; newest committed before the kill {max(committed_before)}; "
             f"the killed worker reached step {reached}",
         )
-    losses = [e["loss"] for e in of(events, "step") if "loss" in e]
+    losses = [e["loss"] for e in of(events, Event.STEP) if "loss" in e]
     check(
         "every logged loss is finite",
         bool(losses) and all(math.isfinite(x) for x in losses),
         f"{losses[-3:]}",
     )
-    done = of(new, "train_done")
+    done = of(new, Event.TRAIN_DONE)
     check("training reached the last step", bool(done) and done[-1].get("step") == steps)
     cfg = run_config(run_dir)
     ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
@@ -95,17 +96,17 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
     scaler = {}
     if precision == "fp16" and resume:
         scaler = scaler_restored(cfg, resume[0]["step"], resume[0].get("grad_scaler"), check)
-    new_steps = of(new, "step")
+    new_steps = of(new, Event.STEP)
     stall = [e["blocking_seconds"] for e in commits]
-    breakdowns = of(events, "step_breakdown")
+    breakdowns = of(events, Event.STEP_BREAKDOWN)
     memory = [e["peak_memory_mb"] for e in breakdowns if "peak_memory_mb" in e]
     return {
-        "steps_per_s_before_kill": steps_per_s(of(old, "step")),
+        "steps_per_s_before_kill": steps_per_s(of(old, Event.STEP)),
         "steps_per_s_after_resume": steps_per_s(new_steps),
         "async_saves": len(stall),
         "async_stall_ms": summary_ms(stall),
         "async_save_total_ms": summary_ms([e["seconds"] for e in commits]),
-        "saves_that_waited_for_the_previous": len(of(events, "checkpoint_wait")),
+        "saves_that_waited_for_the_previous": len(of(events, Event.CHECKPOINT_WAIT)),
         "peak_memory_mb": max(memory) if memory else None,
         # Where the step time goes, as rank 0's step_breakdown events say (medians over the run).
         "data_share": _median([e["data_share"] for e in breakdowns if "data_share" in e]),
@@ -113,7 +114,7 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
         "resumed_step": resumed,
         "killed_worker_reached_step": reached,
         "steps_trained_again": reached - resumed if reached is not None and resumed is not None else None,
-        "kill_to_worker_start_s": _after(of(new, "worker_start"), killed),
+        "kill_to_worker_start_s": _after(of(new, Event.WORKER_START), killed),
         "kill_to_resume_s": _after(resume, killed),
         "kill_to_first_step_s": _after(new_steps, killed),
         "em": done[-1].get("em") if done else None,

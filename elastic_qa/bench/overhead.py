@@ -47,6 +47,7 @@ from elastic_qa.bench.runs import (
     torchrun,
     worker_env,
 )
+from elastic_qa.observe.events import Event
 
 GOAL = 1.02
 GOAL_PAIR = ("product", "skeleton")
@@ -191,7 +192,7 @@ def run_rep(
     if any(len(times.get(side, [])) != args.rounds for side in sides):
         raise BenchError(f"{out}: not {args.rounds} blocks for every side of {','.join(sides)}")
     if "product" in sides:  # the product really trained every step it was timed for, and logged them
-        logged = [row["step"] for row in events_of(run_dir, "step")]
+        logged = [row["step"] for row in events_of(run_dir, Event.STEP)]
         if not logged or max(logged) != per_side:
             last = max(logged) if logged else None
             raise BenchError(f"{run_dir}: the product's last step line is {last}, expected {per_side}")

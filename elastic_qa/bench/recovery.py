@@ -45,6 +45,7 @@ from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.job import Job
 from elastic_qa.exits import UsageError
 from elastic_qa.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import LogFollower
 
 GOAL = 1.5
@@ -79,10 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def compile_overrides(args: argparse.Namespace) -> list[str]:
+def compile_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+    """With --compile: its settings, the compile caches in the work directory (removed with it) unless the
+    overrides name another place."""
     if not args.compile:
         return []
-    return ["train.compile=true", f"train.compile_cache={str(not args.no_compile_cache).lower()}"]
+    settings = ["train.compile=true", f"train.compile_cache={str(not args.no_compile_cache).lower()}"]
+    if not any(o.startswith("train.compile_cache_dir=") for o in args.overrides):
+        settings.append(f"train.compile_cache_dir={work / 'compile-caches'}")
+    return settings
 
 
 def wait_for_phase(started: float, phase: float, interval: float) -> None:
@@ -95,7 +101,11 @@ def wait_for_phase(started: float, phase: float, interval: float) -> None:
 
 def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, phase: float) -> dict[str, Any]:
     # `--module` goes last: the launcher reads options after the overrides too.
-    extra = [*PRODUCT, *compile_overrides(args)] if variant == "product" else ["--module", TRIVIAL]
+    extra = (
+        [*PRODUCT, *compile_overrides(args, run_dir.parent)]
+        if variant == "product"
+        else ["--module", TRIVIAL]
+    )
     job = Job(run_dir, args.config, [*args.overrides, *extra], agents=2, min_nodes=1, max_nodes=4)
     follower = LogFollower(run_dir / "logs")
     try:
@@ -116,15 +126,15 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         record = {"ts": killed, "case": case, "pids": victims, "since_agents_started": killed - started}
         (run_dir / "bench-kill.json").write_text(json.dumps(record))
         new = new_group_events(follower, before, killed, args.timeout, f"{variant} {case} ({run_dir})")
-        first_step = min(new["step"], key=lambda row: row["ts"])
+        first_step = min(new[Event.STEP], key=lambda row: row["ts"])
         if variant == "product":  # its `startup` line follows the step's: for recovery_timeline
-            wait_for_event(follower, "startup", first_step.get("pid"), STARTUP_WAIT_S)
+            wait_for_event(follower, Event.STARTUP, first_step.get("pid"), STARTUP_WAIT_S)
     finally:
         job.kill_everything()
         job.remove_node_local_copy()
     return {
         "first_step_s": first_step["ts"] - killed,
-        "worker_start_s": min(row["ts"] for row in new["worker_start"] or [first_step]) - killed,
+        "worker_start_s": min(row["ts"] for row in new[Event.WORKER_START] or [first_step]) - killed,
         "new_world_size": first_step.get("world_size"),
     }
 
@@ -133,18 +143,18 @@ def new_group_events(
     follower: LogFollower, before: set[int], killed: float, timeout: float, what: str
 ) -> dict[str, list[dict[str, Any]]]:
     """worker_start and step events of processes that did not exist before the kill, until the first step."""
-    new: dict[str, list[dict[str, Any]]] = {"worker_start": [], "step": []}
-    while not new["step"]:
+    new: dict[str, list[dict[str, Any]]] = {Event.WORKER_START: [], Event.STEP: []}
+    while not new[Event.STEP]:
         for row in follower.new_events():
             if row.get("pid") not in before and row.get("ts", 0) >= killed and row.get("event") in new:
                 new[row["event"]].append(row)
-        if not new["step"] and time.time() - killed > timeout:
+        if not new[Event.STEP] and time.time() - killed > timeout:
             raise BenchError(f"{what}: no step of a new group within {timeout:.0f} s")
         time.sleep(0.02)
     return new
 
 
-def wait_for_event(follower: LogFollower, event: str, pid: Any, timeout: float) -> bool:
+def wait_for_event(follower: LogFollower, event: Event, pid: Any, timeout: float) -> bool:
     """Whether process `pid` logged `event` within `timeout` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -158,7 +168,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.no_compile_cache and not args.compile:
         raise UsageError("--no-compile-cache: only with --compile")
     # bad config: one line now, not a launcher failure later
-    bench_config(args.config, [*args.overrides, *compile_overrides(args)])
+    bench_config(args.config, [*args.overrides, *compile_overrides(args, work)])
     pairs = [(case, variant) for case in args.cases for variant in ("product", "bare")]
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
     for rep, (case, variant) in alternate(args.reps, pairs):

@@ -35,6 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
 
 GROUPS = {
@@ -59,23 +60,23 @@ def timeline(run_dir: Path) -> dict[str, float] | None:
     killed = float(json.loads(kill_file.read_text())["ts"])
     events = read_events(run_dir)
     old = {row.get("pid") for row in events if row.get("ts", 0) < killed}
-    steps = [row for row in events if row["event"] == "step" and row.get("ts", 0) >= killed]
+    steps = [row for row in events if row["event"] == Event.STEP and row.get("ts", 0) >= killed]
     new_steps = [row for row in steps if row.get("pid") not in old]
-    if not new_steps or not any(row["event"] == "train_start" for row in events):
+    if not new_steps or not any(row["event"] == Event.TRAIN_START for row in events):
         return None  # the bare floor's trivial worker, or a kill the group never recovered from
     first = min(new_steps, key=lambda row: row["ts"])
     figures: dict[str, float] = {"first_step_at": first["ts"] - killed}
     after = [row for row in events if row.get("ts", 0) >= killed]
-    for name, event in (("noticed", "emergency_checkpoint"), ("saved", "peer_failure")):
+    for name, event in (("noticed", Event.EMERGENCY_CHECKPOINT), ("saved", Event.PEER_FAILURE)):
         rows = [row for row in after if row["event"] == event and row.get("pid") in old]
         if rows:
             figures[name] = rows[0]["ts"] - killed
     mine = [row for row in after if row.get("pid") == first.get("pid")]
-    for name, event in (("probed", "frozen_parameters"), ("started", "worker_start")):
+    for name, event in (("probed", Event.FROZEN_PARAMETERS), ("started", Event.WORKER_START)):
         rows = [row for row in mine if row["event"] == event]
         if rows:
             figures[name] = rows[0]["ts"] - killed
-    startup = next((row for row in mine if row["event"] == "startup"), None)
+    startup = next((row for row in mine if row["event"] == Event.STARTUP), None)
     if startup is None:
         return figures
     figures["born"] = startup["ts"] - startup["total_s"] - killed

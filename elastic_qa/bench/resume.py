@@ -36,6 +36,7 @@ from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.models import family_for
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import LogFollower
 from elastic_qa.prep import prepare
 
@@ -94,7 +95,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
         process = start_tied(command, out)
         try:
             follower = LogFollower(run_dir / "logs")  # reads only what is new at each poll
-            while not (steps := [e for e in follower.new_events() if e.get("event") == "step"]):
+            while not (steps := [e for e in follower.new_events() if e.get("event") == Event.STEP]):
                 if process.poll() is not None:
                     raise BenchError(f"resume exited with {process.returncode} (output: {output})")
                 if time.time() - started > timeout:
@@ -104,7 +105,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)  # no final checkpoint over the moved copy
             process.wait()
-    resumed = events_of(run_dir, "resume")
+    resumed = events_of(run_dir, Event.RESUME)
     if not resumed:
         raise BenchError(f"the run did not resume (output: {output})")
     return {

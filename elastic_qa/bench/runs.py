@@ -24,6 +24,7 @@ from elastic_qa.config import Config, ConfigError, format_duration, resolve_conf
 from elastic_qa.data.examples import DataError
 from elastic_qa.launcher.processes import end_process, tied_to_this_process
 from elastic_qa.models import family_for
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
 from elastic_qa.prep import prepare
 
@@ -104,7 +105,7 @@ def run_logged(
         raise BenchError(f"{name} exited with {code}: {lines[-1] if lines else ''} (output: {log_path})")
 
 
-def events_of(run_dir: Path, event: str, rank: int | None = 0) -> list[dict[str, Any]]:
+def events_of(run_dir: Path, event: Event, rank: int | None = 0) -> list[dict[str, Any]]:
     """One kind of event from a run's logs, oldest first, from one rank (None: all)."""
     return [
         row
@@ -202,15 +203,15 @@ def run_product(
         timeout=300 + 2 * spec.steps,
     )
     window = spec.window
-    stamps = {row["step"]: row["ts"] for row in events_of(run_dir, "step")}
+    stamps = {row["step"]: row["ts"] for row in events_of(run_dir, Event.STEP)}
     rate = steps_per_s(stamps, window)
     start, end = stamps[window[0]], stamps[window[1]]
     # Breakdowns whose whole averaging window lies in the steady state (else the last one there is).
-    breakdowns = events_of(run_dir, "step_breakdown")
+    breakdowns = events_of(run_dir, Event.STEP_BREAKDOWN)
     steady = [row for row in breakdowns if row["step"] - row["steps"] >= window[0]] or breakdowns[-1:]
     checkpoints = [
         row
-        for row in events_of(run_dir, "checkpoint_committed")
+        for row in events_of(run_dir, Event.CHECKPOINT_COMMITTED)
         if row.get("reason") == "periodic" and start < row["ts"] <= end
     ]
     chunk = median_chunk_step_s(stamps, window, spec.every)

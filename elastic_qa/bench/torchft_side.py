@@ -40,6 +40,7 @@ from typing import Any
 from elastic_qa.bench.goodput_figures import Step
 from elastic_qa.chaos.faults import NoTarget
 from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import LogFollower
 
 REPLICAS = 2
@@ -162,7 +163,7 @@ def train(replica: int, lighthouse: str, config: str, overrides: list[str]) -> i
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 record = {
-                    "event": "step",
+                    "event": Event.STEP,
                     "ts": time.time(),
                     "step": manager.current_step(),
                     "committed": committed,
@@ -287,7 +288,7 @@ class TorchftSide:
                 process.wait()
 
     def steps(self) -> list[Step]:
-        self.events.extend(row for row in self.follower.new_events() if row.get("event") == "step")
+        self.events.extend(row for row in self.follower.new_events() if row.get("event") == Event.STEP)
         return [
             Step(row["ts"], row["step"], f"pid-{row['pid']}", row["participants"] / REPLICAS)
             for row in self.events

@@ -29,6 +29,7 @@ from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.ledger import effective_order, read_ledger
 
 REJECTED_NOTE = "REJECTED.json"  # written next to a quarantined checkpoint: why it was set aside
@@ -263,12 +264,12 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             },
         )
         name = event.get("event")
-        if name == "worker_start":
+        if name == Event.WORKER_START:
             row["world_size"] = event["world_size"]
             row["start"] = min(row["start"], event["ts"])
-        elif name == "resume":
+        elif name == Event.RESUME:
             row["resumed_step"] = event["step"]
-        elif name == "step":
+        elif name == Event.STEP:
             if row["first_step_ts"] is None:
                 row["first_step_ts"] = event["ts"]
             row["last_step"] = max(row["last_step"], event["step"])

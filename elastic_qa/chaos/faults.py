@@ -22,6 +22,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
 from elastic_qa.elastic.hold import REFUSED_LINE
 from elastic_qa.launcher.processes import alive, python_env
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
 
 STATE_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
@@ -43,7 +44,7 @@ def rank_zero_worker(job: Job) -> int:
     starts = [
         row
         for row in read_events(job.run_dir, "rank-000.*.pid-*.jsonl")
-        if row["event"] == "worker_start"
+        if row["event"] == Event.WORKER_START
         and "attempt" in row
         and "pid" in row
         and row["pid"] not in job.ignored_pids  # a second job is not this job's writer
@@ -57,7 +58,7 @@ def rank_zero_worker(job: Job) -> int:
 def registered_attempt(run_dir: Path, pid: int) -> int | None:
     """The attempt number a process registered (from its worker_start line), if it has yet."""
     for row in read_events(run_dir, f"rank-*.pid-{pid}.jsonl"):
-        if row["event"] == "worker_start" and "attempt" in row:
+        if row["event"] == Event.WORKER_START and "attempt" in row:
             return int(row["attempt"])
     return None
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from elastic_qa.chaos.evidence import Copy
 from elastic_qa.checkpoint.policy import retained_steps
+from elastic_qa.observe.events import Event
 
 SLACK_S = 0.5
 
@@ -62,12 +63,14 @@ def done_claims(
 ) -> list[Claim]:
     """Every claim that a job ended done: train_done lines, a second job's or the launcher's exit 0."""
     claims = []
-    started = {e["pid"]: e.get("attempt") for e in events if e.get("event") == "worker_start" and "pid" in e}
+    started = {
+        e["pid"]: e.get("attempt") for e in events if e.get("event") == Event.WORKER_START and "pid" in e
+    }
     main_attempts = {
         e["attempt"] for e in events if e.get("pid") not in second_pids and e.get("attempt") is not None
     }
     for event in events:
-        if event.get("event") == "train_done" and event.get("rank", 0) == 0 and "attempt" in event:
+        if event.get("event") == Event.TRAIN_DONE and event.get("rank", 0) == 0 and "attempt" in event:
             job = "second job" if event.get("pid") in second_pids else "main job"
             who = f"{job} attempt {event['attempt']} (train_done)"
             claims.append(Claim(who, {event["attempt"]}, event["ts"]))
@@ -90,7 +93,7 @@ def check_claims(
     """(1) for every done claim."""
     final = next((c for c in copies if c.step == max_steps and not c.quarantined), None)
     resumed_at_end = {
-        e.get("attempt") for e in events if e.get("event") == "resume" and e.get("step") == max_steps
+        e.get("attempt") for e in events if e.get("event") == Event.RESUME and e.get("step") == max_steps
     }
     problems = []
     for claim in claims:
@@ -103,7 +106,7 @@ def check_claims(
         if written_before and own:
             continue
         committed_own = any(
-            e.get("event") == "checkpoint_committed"
+            e.get("event") == Event.CHECKPOINT_COMMITTED
             and e.get("step") == max_steps
             and e.get("attempt") in claim.attempts
             and e["ts"] <= claim.ts
@@ -151,7 +154,7 @@ def check_fencing(
             )
     late: Counter[tuple[int, int | None]] = Counter()  # (attempt, pid)
     for event in events:
-        if event.get("event") != "checkpoint_committed":
+        if event.get("event") != Event.CHECKPOINT_COMMITTED:
             continue
         since = superseded_at(event.get("attempt"))
         if since is not None and event["ts"] > since + SLACK_S:
@@ -164,7 +167,7 @@ def check_fencing(
             )
     jobs_by_attempt: dict[int, set[str]] = {}
     for event in events:
-        if event.get("event") == "worker_start" and event.get("attempt") is not None:
+        if event.get("event") == Event.WORKER_START and event.get("attempt") is not None:
             job = f"second job {event.get('pid')}" if event.get("pid") in second_pids else "main job"
             jobs_by_attempt.setdefault(event["attempt"], set()).add(job)
     for attempt, jobs in sorted(jobs_by_attempt.items()):
@@ -178,7 +181,7 @@ def blind_windows(events: list[dict[str, Any]], actions: list[dict[str, Any]]) -
     windows = [
         (float(e["since_ts"]), e["ts"])
         for e in events
-        if e.get("event") == "log_lines_dropped" and isinstance(e.get("since_ts"), int | float)
+        if e.get("event") == Event.LOG_LINES_DROPPED and isinstance(e.get("since_ts"), int | float)
     ]
     opened = {}
     for action in actions:
@@ -208,7 +211,7 @@ def check_nothing_lost(
     after its commit: then the lines that would explain it may be gone, and it is not counted."""
     timeline: list[tuple[float, int, int]] = []  # (when, 0 commit / 1 quarantine, step)
     for event in events:
-        if event.get("event") == "checkpoint_committed" and "step" in event:
+        if event.get("event") == Event.CHECKPOINT_COMMITTED and "step" in event:
             timeline.append((event["ts"], 0, int(event["step"])))
     for copy in copies:
         if copy.created_ts is not None:
@@ -227,7 +230,9 @@ def check_nothing_lost(
         retained = retained_steps(sorted(candidates), keep_last, keep_every_steps)
         kept = {s for s in candidates if s in retained or s >= step}
     in_place = {copy.step for copy in copies if not copy.quarantined}
-    pruned = {(e["step"], e["ts"]) for e in events if e.get("event") == "checkpoint_pruned" and "step" in e}
+    pruned = {
+        (e["step"], e["ts"]) for e in events if e.get("event") == Event.CHECKPOINT_PRUNED and "step" in e
+    }
     missing = []
     for step in sorted(kept - in_place):
         since = last_commit.get(step, 0.0)

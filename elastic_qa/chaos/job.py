@@ -28,6 +28,7 @@ from elastic_qa.launcher.processes import (
     tied_to_this_process,
     workers_of,
 )
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import LogFollower
 
 LAUNCHER = "elastic_qa.launcher.local"
@@ -166,12 +167,12 @@ class Job:
                 if row.get("pid") in self.ignored_pids:
                     continue
                 event = row["event"]
-                if event in ("step", "resume") and "step" in row:
+                if event in (Event.STEP, Event.RESUME) and "step" in row:
                     self._progress = max(self._progress, int(row["step"]))
-                    if event == "step":
+                    if event == Event.STEP:
                         attempt = row.get("attempt", 0)
                         self.attempt_steps[attempt] = max(self.attempt_steps.get(attempt, 0), row["step"])
-                elif event == "worker_start":
+                elif event == Event.WORKER_START:
                     self.attempt = max(self.attempt, row.get("attempt", 0))
             return self._progress
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from elastic_qa.chaos.evidence import Copy, attempts
 from elastic_qa.chaos.schedule import ZERO_LOSS, restarts_group
+from elastic_qa.observe.events import Event
 
 # Faults that must not restart the group: any restart after them is a failure for these; for the others
 # only one that lost steps is (a restart that lost nothing may be another fault's late regroup).
@@ -33,7 +34,7 @@ def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
     """Steps resumed from while their checkpoint was the copy a fault corrupted (no newer commit of the
     same step in between: a replayed run may legitimately commit that step again)."""
     bad = []
-    for resume in (e for e in events if e.get("event") == "resume" and e.get("rank") == 0):
+    for resume in (e for e in events if e.get("event") == Event.RESUME and e.get("rank") == 0):
         step, at = resume["step"], resume["ts"]
         corrupted_at = max((ts for s, ts in corruptions(faults) if s == step and ts < at), default=None)
         if corrupted_at is None:
@@ -45,7 +46,7 @@ def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
 
 
 def _committed(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == "checkpoint_committed"]
+    return [e for e in events if e.get("event") == Event.CHECKPOINT_COMMITTED]
 
 
 def reached_before(runs: list[dict], new: dict) -> int:
@@ -167,7 +168,7 @@ def _registered_at(fault: dict, ev: Evidence) -> float:
     starts = [
         e["ts"]
         for e in ev.all_events
-        if e.get("event") == "worker_start" and e.get("pid") == fault.get("pid")
+        if e.get("event") == Event.WORKER_START and e.get("pid") == fault.get("pid")
     ]
     return min(starts, default=fault["ts"])
 
@@ -177,8 +178,8 @@ def _finished_before(fault: dict, ev: Evidence) -> bool:
     return any(
         e["ts"] < registered
         and (
-            e.get("event") == "train_done"
-            or (e.get("event") == "checkpoint_committed" and e.get("step") == ev.max_steps)
+            e.get("event") == Event.TRAIN_DONE
+            or (e.get("event") == Event.CHECKPOINT_COMMITTED and e.get("step") == ev.max_steps)
         )
         for e in ev.events
     )
@@ -192,8 +193,8 @@ def _ended_before_admission(fault: dict, runs: list[dict], ev: Evidence) -> floa
     ends = [
         e["ts"]
         for e in ev.events
-        if e.get("event") == "train_done"
-        or (e.get("event") == "checkpoint_committed" and ev.max_steps and e.get("step") == ev.max_steps)
+        if e.get("event") == Event.TRAIN_DONE
+        or (e.get("event") == Event.CHECKPOINT_COMMITTED and ev.max_steps and e.get("step") == ev.max_steps)
     ]
     return min(ends, default=None)
 
@@ -249,7 +250,7 @@ def _judge_hup(row: dict, fault: dict, previous: dict | None, new: dict, ev: Evi
     stopped = [
         e
         for e in ev.events
-        if e.get("event") in ("stopping", "stop_requested")
+        if e.get("event") in (Event.STOPPING, Event.STOP_REQUESTED)
         and previous is not None
         and e.get("attempt") == previous["attempt"]
         and fault["ts"] <= e["ts"] <= new["start"]
@@ -280,7 +281,7 @@ def _judge_corrupt_replay(row: dict, fault: dict, new: dict, ev: Evidence) -> No
     recommits = [
         e
         for e in ev.all_events
-        if e.get("event") == "checkpoint_committed"
+        if e.get("event") == Event.CHECKPOINT_COMMITTED
         and e.get("step") == step
         and e["ts"] > fault["ts"]
         and (e.get("attempt") or 0) > (fault.get("copy_attempt") or 0)
@@ -312,10 +313,10 @@ def _judge_second_job(row: dict, fault: dict, ev: Evidence, done_first: bool = F
     started after the main job was done may run (it finds the final state, exit 0)."""
     pid = fault.get("pid")
     mine = [e for e in ev.all_events if e.get("pid") == pid]
-    attempt = next((e.get("attempt") for e in mine if e.get("event") == "worker_start"), None)
+    attempt = next((e.get("attempt") for e in mine if e.get("event") == Event.WORKER_START), None)
     exits = [a for a in ev.actions if a.get("action") == "second_job_exit" and a.get("pid") == pid]
     code = exits[-1].get("exit_code") if exits else None
-    errors = [e.get("error") for e in mine if e.get("event") in ("worker_crash", "bad_input")]
+    errors = [e.get("error") for e in mine if e.get("event") in (Event.WORKER_CRASH, Event.BAD_INPUT)]
     ran = (row["note"] + "; " if row["note"] else "") + f"second job pid {pid} "
     if fault.get("refused") and attempt is None and code == 2:
         row["note"] = ran + "was refused (exit 2): the live job holds its run"
@@ -355,7 +356,7 @@ def _judge_no_restart_kind(row: dict, fault: dict, runs: list[dict], ev: Evidenc
         failed = [
             e
             for e in ev.events
-            if e.get("event") == "checkpoint_failed"
+            if e.get("event") == Event.CHECKPOINT_FAILED
             and e.get("step") == ev.max_steps
             and e["ts"] >= fault["ts"]
         ]

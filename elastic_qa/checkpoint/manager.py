@@ -28,6 +28,7 @@ from elastic_qa.checkpoint.store import (
     serialize,
 )
 from elastic_qa.config import CheckpointConfig, format_duration
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 
 STATE_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
@@ -107,7 +108,7 @@ class Checkpointer:
         if not ignore_failures:
             self.raise_if_failed()  # the save just waited for may have failed fatally
         if waited > 0.001:
-            self.log.warning("checkpoint_wait", step=step, seconds=round(waited, 4))
+            self.log.warning(Event.CHECKPOINT_WAIT, step=step, seconds=round(waited, 4))
         snapshot = cpu_copy(state)
         blocking_seconds = time.perf_counter() - started
         job = threading.Thread(
@@ -180,7 +181,7 @@ class Checkpointer:
             self._failures, self._failing_since = 0, None
             seconds = time.perf_counter() - started  # read once: a sync save's stall is all of it
             self.log.info(
-                "checkpoint_committed",
+                Event.CHECKPOINT_COMMITTED,
                 step=step,
                 path=self.store.display(path),
                 reason=reason,
@@ -192,7 +193,7 @@ class Checkpointer:
             named = best_step(verdict.manifest or {})
             self.prune(keep=step, best={best for best in (named, wanted) if best is not None})
         except StaleWriterError as err:
-            self.log.error("checkpoint_fenced", step=step, reason=str(err))
+            self.log.error(Event.CHECKPOINT_FENCED, step=step, reason=str(err))
             self.last_error = str(err)
             self._fatal = err
         except Exception as err:  # noqa: BLE001 - storage errors of any backend must not stop training
@@ -202,7 +203,7 @@ class Checkpointer:
             self.last_error = f"{type(err).__name__}: {err}"
             failing_for = now - self._failing_since
             self.log.error(
-                "checkpoint_failed",
+                Event.CHECKPOINT_FAILED,
                 step=step,
                 reason=reason,
                 error=self.last_error,
@@ -255,7 +256,7 @@ class Checkpointer:
                 continue
             try:
                 self.store.remove(info.path)
-                self.log.info("checkpoint_pruned", step=info.step, path=self.store.display(info.path))
+                self.log.info(Event.CHECKPOINT_PRUNED, step=info.step, path=self.store.display(info.path))
             except Exception as err:  # noqa: BLE001 - a failed delete is logged, never fatal
                 self.log.warning("checkpoint_prune_failed", step=info.step, path=info.path, error=str(err))
 
@@ -302,7 +303,7 @@ class Checkpointer:
             except (CheckpointError, OSError, ValueError, KeyError) as err:
                 transient = isinstance(err, OSError) and not isinstance(err, FileNotFoundError)
                 self.log.warning(
-                    "checkpoint_rejected",
+                    Event.CHECKPOINT_REJECTED,
                     step=info.step,
                     path=self.store.display(info.path),
                     reason=str(err),

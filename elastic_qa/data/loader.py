@@ -177,8 +177,8 @@ def build_train_loader(
 class InlineBatches:
     """The batches of `sampler`'s keys, built in the training process as it asks for them: what a
     DataLoader without workers yields, without its per-batch bookkeeping (a loader state the checkpoint
-    does not use, the fetcher, the collate call): ~10 us a step for the tiny hf model measured alone, and
-    more inside training, where the loop's Python runs on caches the step's compute has evicted."""
+    does not use, the fetcher, the collate call), measured in docs/benchmarks.md ("piece by piece"): more
+    inside training than alone, where the loop's Python runs on caches the step's compute has evicted."""
 
     def __init__(self, dataset: FeatureBatches, sampler: RankBatchSampler, pin_memory: bool) -> None:
         self.dataset, self.sampler, self.pin_memory = dataset, sampler, pin_memory

@@ -54,6 +54,7 @@ from elastic_qa.config_changes import config_changes, refusal
 from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext, all_gather_bytes, decide_on_rank0
 from elastic_qa.elastic.hold import RunHeldError, RunHold, local_processes, unique
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger, update_identity
 from elastic_qa.observe.startup import STARTUP
 from elastic_qa.run_length import end_step, length_text
@@ -329,7 +330,7 @@ class CheckpointSession:
             raise ResumeError(problem)
         if changes:
             self.log.info(
-                "config_changed",
+                Event.CONFIG_CHANGED,
                 step=loaded.step,
                 changes=[{"key": c.key, "old": c.old, "new": c.new, "effect": c.effect} for c in changes],
             )
@@ -394,7 +395,7 @@ class CheckpointSession:
         try:
             target = self.store.quarantine(rejection.path, rejection.reason)
             self.log.warning(
-                "checkpoint_quarantined",
+                Event.CHECKPOINT_QUARANTINED,
                 step=rejection.step,
                 path=self.store.display(target),
                 reason=rejection.reason,
@@ -418,10 +419,10 @@ class CheckpointSession:
         loaded, state = self.restored, self.state
         if loaded is None:
             new = {"newly_initialized": newly_initialized} if newly_initialized else {}
-            self.log.info("start_fresh", checkpoint_dir=self.store.url, **new)
+            self.log.info(Event.START_FRESH, checkpoint_dir=self.store.url, **new)
             return
         self.log.info(
-            "resume",
+            Event.RESUME,
             step=state.step,
             path=loaded.path if self.from_node_local else self.store.display(loaded.path),
             node_local=self.from_node_local,
@@ -536,7 +537,7 @@ class CheckpointSession:
         """
         step = self.state.step
         self._stopping = True
-        self.log.error("emergency_checkpoint", step=step, reason=reason)
+        self.log.error(Event.EMERGENCY_CHECKPOINT, step=step, reason=reason)
         try:
             if step > 0 and self.node_local is not None:  # memory first: done in well under the window
                 started = time.perf_counter()

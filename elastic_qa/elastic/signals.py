@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from elastic_qa.observe.events import Event
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -97,7 +99,7 @@ class StopRequest:
         """Whether a stop was requested; logs `stop_requested` the first time it is seen."""
         if self._requested and not self._noticed:
             self._noticed = True
-            log.warning("stop_requested", signal=self.signal_name, received_ts=self.received_ts)
+            log.warning(Event.STOP_REQUESTED, signal=self.signal_name, received_ts=self.received_ts)
         return self._requested
 
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.exits import EXIT_AGENT_LOST
 from elastic_qa.liveness import agent_lineage, lineage_intact
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 
 
@@ -71,7 +72,7 @@ class AgentWatchdog:
         self.lost = True
         self.stop_request.request("agent_lost")
         with contextlib.suppress(Exception):  # the log cannot raise, but nothing may keep the exit below
-            get_logger().error("agent_lost", parent_pid=self.parent, grace_s=self.grace_s)
+            get_logger().error(Event.AGENT_LOST, parent_pid=self.parent, grace_s=self.grace_s)
         # The loop stops after the step in progress and saves; if that (or a collective waiting for a
         # dead peer) takes longer than the grace, leave regardless; a save in flight may still finish (the
         # dead agent sends no SIGKILL that could cut it). os._exit: no cleanup that could block.

@@ -52,6 +52,7 @@ from elastic_qa.launcher.terminal import (
 )
 from elastic_qa.metrics import em_f1_text
 from elastic_qa.observe.console import UNDER_LAUNCHER, ProgressView, print_safely
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import CRASH_LOOP_ATTEMPTS, read_events
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
@@ -80,7 +81,7 @@ def wait_for_agents(run_dir: Path, started: list[subprocess.Popen]) -> dict[int,
 
     def watch(index: int, process: subprocess.Popen) -> None:
         codes[index] = process.wait()
-        log_action(run_dir, "agent_exit", agent=index, pid=process.pid, code=codes[index])
+        log_action(run_dir, Event.AGENT_EXIT, agent=index, pid=process.pid, code=codes[index])
 
     watchers = [
         threading.Thread(target=watch, args=(index, process), name=f"agent-{index}", daemon=True)
@@ -215,7 +216,7 @@ def start_agent(run_dir: Path, job: dict, tied: bool = False) -> subprocess.Pope
     }
     job["agents"].append(agent)
     write_job(run_dir, job)
-    log_action(run_dir, "agent_started", agent=index, pid=process.pid, is_host=is_host, log=str(log_path))
+    log_action(run_dir, Event.AGENT_STARTED, agent=index, pid=process.pid, is_host=is_host, log=str(log_path))
     return process
 
 
@@ -319,7 +320,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     started_at = time.time()
     log_action(
         run_dir,
-        "job_start",
+        Event.JOB_START,
         run_id=job["run_id"],
         port=job["port"],
         agents=args.agents,
@@ -339,7 +340,7 @@ def cmd_start(args: argparse.Namespace) -> int:
                     always=True,
                 )
         stops.append(signum)
-        log_action(run_dir, "stop_all", signal=signal.Signals(signum).name)
+        log_action(run_dir, Event.STOP_ALL, signal=signal.Signals(signum).name)
         for agent in current_agents(run_dir, job):
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
@@ -363,7 +364,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
 
     def crash_loop(error: str, _bad_input: bool) -> None:
-        log_action(run_dir, "crash_loop", error=error, attempts=CRASH_LOOP_ATTEMPTS)
+        log_action(run_dir, Event.CRASH_LOOP, error=error, attempts=CRASH_LOOP_ATTEMPTS)
         for agent in read_job(run_dir)["agents"]:
             if alive(agent["pid"]):
                 os.kill(agent["pid"], signal.SIGTERM)
@@ -374,7 +375,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     # Agents added later by `join` are not our children: wait for them too.
     wait_quietly(lambda: any(alive(a["pid"]) for a in read_job(run_dir)["agents"] if a["index"] not in codes))
     monitor.stop()
-    log_action(run_dir, "job_end", exit_codes=codes)
+    log_action(run_dir, Event.JOB_END, exit_codes=codes)
     if monitor.crash:
         error, bad_input = monitor.crash
         print(f"elastic-qa: the job stopped: every attempt fails with: {error}", file=sys.stderr)
@@ -408,7 +409,7 @@ def last_trained_step(run_dir: Path, since: float) -> int | None:
     steps = [
         row["step"]
         for row in read_events(run_dir)
-        if row["event"] in ("step", "stopping")
+        if row["event"] in (Event.STEP, Event.STOPPING)
         and row.get("rank", 0) == 0
         and row.get("ts", 0.0) >= since
         and isinstance(row.get("step"), int)
@@ -437,7 +438,7 @@ def train_done(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
     done = [
         row
         for row in read_events(run_dir)
-        if row["event"] == "train_done" and row.get("ts", 0.0) >= since and row.get("rank", 0) == 0
+        if row["event"] == Event.TRAIN_DONE and row.get("ts", 0.0) >= since and row.get("rank", 0) == 0
     ]
     return done[-1] if done else None
 
@@ -489,7 +490,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     agent = candidates[0]
     os.kill(agent["pid"], signal.SIGTERM)
-    log_action(run_dir, "agent_leave", agent=agent["index"], pid=agent["pid"])
+    log_action(run_dir, Event.AGENT_LEAVE, agent=agent["index"], pid=agent["pid"])
     world = len(live) - 1
     workers = world * job["nproc_per_node"]
     print(
@@ -509,7 +510,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         write_job(run_dir, job)
     for agent in live:
         os.kill(agent["pid"], signal.SIGTERM)
-        log_action(run_dir, "agent_stop", agent=agent["index"], pid=agent["pid"])
+        log_action(run_dir, Event.AGENT_STOP, agent=agent["index"], pid=agent["pid"])
     pids = ", ".join(str(agent["pid"]) for agent in live)
     print(
         f"stopping: SIGTERM to {plural(len(live), 'agent')} (pid {pids}): each saves its step first"

@@ -19,6 +19,7 @@ from elastic_qa.data.loader import collate
 from elastic_qa.dist import DistContext
 from elastic_qa.models import ModelFamily
 from elastic_qa.models.invariance import freeze, loss_invariant_parameters
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 
 # Windows the start-up probe for loss-invariant parameters reads (a float64 forward and backward).
@@ -64,7 +65,7 @@ def freeze_loss_invariant(
 
     Rank 0 decides and the others take its answer (broadcast on `group`). It probes only when the run's
     newest checkpoint carries no answer for this model: the probe's float64 copy of the model is its
-    largest cost (measured on a random bert-base: ~2.5 GB and seconds; MiniLM ~2 s), which a restart
+    largest cost (gigabytes and seconds for a base-size encoder), which a restart
     should not pay again for a model it already probed, nor a node of 8 ranks 8 times over.
     """
     names = [name for name, param in model.named_parameters() if param.requires_grad]
@@ -86,5 +87,5 @@ def freeze_loss_invariant(
     frozen = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
     freeze(model, frozen)
     if ctx.is_main:
-        get_logger().info("frozen_parameters", count=len(frozen), names=frozen, source=source)
+        get_logger().info(Event.FROZEN_PARAMETERS, count=len(frozen), names=frozen, source=source)
     return {"identity": identity, "frozen": frozen}

@@ -15,6 +15,7 @@ from elastic_qa.evaluation import evaluate
 from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import ModelFamily
 from elastic_qa.observe.console import Console
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers
@@ -79,7 +80,7 @@ class Scoring:
         if scores is not None:
             step = self.state.step
             self.log.info(
-                "eval",
+                Event.EVAL,
                 step=step,
                 em=round(scores["em"], 4),
                 f1=round(scores["f1"], 4),

@@ -17,6 +17,7 @@ import torch
 
 from elastic_qa.dist import DistContext
 from elastic_qa.observe.console import Console
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers
@@ -86,7 +87,7 @@ class StepLog:
             loss = line["loss_sum"] / line["samples"] if known else float("nan")
             if self.ctx.is_main:
                 self.log.info(
-                    "step",
+                    Event.STEP,
                     step=line["step"],
                     epoch=line["epoch"],
                     loss=round(loss, 6),
@@ -118,7 +119,7 @@ class StepLog:
         loss = totals[0] / max(totals[1], 1.0)
         local_loss = local[0] / max(local[1], 1.0)
         self.log.info(
-            "step",
+            Event.STEP,
             step=step,
             epoch=figures["epoch"],
             loss=round(loss, 6),

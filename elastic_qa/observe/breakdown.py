@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_qa.dist import CommTimer
+from elastic_qa.observe.events import Event
 
 # Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
 Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
@@ -118,7 +119,7 @@ class StepTimer:
             "other_s": max(0.0, step_s - sum(per_step.values())),
         }
         log.info(
-            "step_breakdown",
+            Event.STEP_BREAKDOWN,
             step=self.step,
             steps=steps,
             **{key: round(value, 6) for key, value in figures.items()},
@@ -183,7 +184,7 @@ class StepTimer:
                         "median rank"
                     )
         for finding in findings:
-            log.warning("diagnosis", step=step, finding=finding)
+            log.warning(Event.DIAGNOSIS, step=step, finding=finding)
             kind = finding.split(":")[0]
             if console is not None and kind not in self._shown:  # the console hears of each once
                 self._shown.add(kind)

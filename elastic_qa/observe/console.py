@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from elastic_qa.metrics import em_f1_text
+from elastic_qa.observe.events import Event, conforms, event_of
 
 # Set by the launcher for its workers: the launcher owns the terminal, a worker's output goes to a log file.
 UNDER_LAUNCHER = "ELASTIC_QA_UNDER_LAUNCHER"
@@ -117,12 +118,28 @@ class ProgressView:
         self._drawn = False  # a bar is on the screen, without its newline
         self._last_plain: float | None = None
         self._said: set[Any] = set()
+        self._handlers: dict[Event, Callable[[dict[str, Any]], None]] = {
+            Event.WORKER_START: self._on_worker_start,
+            Event.TRAIN_START: self._on_train_start,
+            Event.RESUME: self._on_resume,
+            Event.START_FRESH: self._on_start_fresh,
+            Event.CONFIG_CHANGED: self._on_config_changed,
+            Event.STEP: self._on_step,
+            Event.EVAL: self._on_eval,
+            Event.DIAGNOSIS: self._on_diagnosis,
+            Event.STOPPING: self._on_stopping,
+            Event.EMERGENCY_CHECKPOINT: self._on_emergency_checkpoint,
+            Event.CHECKPOINT_COMMITTED: self._on_checkpoint_committed,
+            Event.TRAIN_DONE: self._on_train_done,
+        }
 
     # ---- events -------------------------------------------------------------------------------------
     def feed(self, events: list[dict[str, Any]]) -> None:
+        """Take in the workers' events; a line whose fields are not of their types is passed over."""
         for event in events:
-            handler = getattr(self, f"_on_{event.get('event')}", None)
-            if handler is not None:
+            kind = event_of(event)
+            handler = self._handlers.get(kind) if kind is not None else None
+            if handler is not None and conforms(event):
                 handler(event)
 
     def _on_worker_start(self, event: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.observe.events import Event
+
 MAX_LINE = 1 << 20  # bytes: the longest log line kept (a crash's message is cut far shorter)
 TORN_TRIES = 16  # starts tried in one line: the whole line, then the first `{"` after its start
 
@@ -134,11 +136,11 @@ class CrashLoopDetector:
             process = process_key(event)
             if process is None:
                 continue
-            if event.get("event") == "step":
+            if event.get("event") == Event.STEP:
                 self.trained.add(process)
-            elif event.get("event") in ("worker_crash", "bad_input") and process not in self.errors:
+            elif event.get("event") in (Event.WORKER_CRASH, Event.BAD_INPUT) and process not in self.errors:
                 self.errors[process] = (event.get("ts", len(self.errors)), event.get("error", "?"))
-                if event["event"] == "bad_input":
+                if event["event"] == Event.BAD_INPUT:
                     self.bad_input.add(process)
 
     def verdict(self) -> tuple[str, bool] | None:

@@ -90,11 +90,12 @@ def dynamo_warmup() -> threading.Thread:
     main thread imports anything else.
 
     torch wraps Optimizer.add_param_group and the optimizer's step in `torch._disable_dynamo`, which
-    imports torch._dynamo on first use: ~1.1 s of a restart, measured with `python -X importtime`. Imported
-    here first, the optimizer finds it in sys.modules. The caller joins the thread before its own next
-    imports: two threads importing overlapping module graphs at once can take their module locks in
-    opposite orders, and Python then raises a deadlock error in one of them. Call it once torch itself is
-    imported. A failure here is left for the main thread's own import to raise.
+    imports torch._dynamo on first use: a second or so of a restart (docs/benchmarks.md, "Before warm
+    workers": `python -X importtime`). Imported here first, the optimizer finds it in sys.modules. The
+    caller joins the thread before its own next imports: two threads importing overlapping module graphs
+    at once can take their module locks in opposite orders, and Python then raises a deadlock error in one
+    of them. Call it once torch itself is imported. A failure here is left for the main thread's own
+    import to raise.
     """
 
     def warm() -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import MAX_LINE, open_regular, parse_log_line
 from elastic_qa.report import live_rows
 from elastic_qa.report.page import attempts_html, charts_html, summary_html
@@ -226,14 +227,14 @@ class LiveRun:
     def _keep(self, events: list[dict[str, Any]]) -> None:
         """Keep what the state reads of new log lines, within bounds (see the module's docstring)."""
         kept, pace = [], []
-        others = sum(1 for e in self.events if e["event"] != "step")
+        others = sum(1 for e in self.events if e["event"] != Event.STEP)
         for event in sorted(events, key=lambda row: row["ts"]):
             worker = (event.get("attempt"), event.get("rank"))
             if worker in self._ends or len(self._ends) < MAX_KEPT:
                 ends = self._ends.setdefault(worker, [event, event])
                 ends[0] = min(ends[0], event, key=lambda e: e["ts"])
                 ends[1] = max(ends[1], event, key=lambda e: e["ts"])
-            if event["event"] == "step" and "step" in event:
+            if event["event"] == Event.STEP and "step" in event:
                 if worker in self._last_step or len(self._last_step) < MAX_KEPT:
                     self._last_step[worker] = max(
                         self._last_step.get(worker, event), event, key=lambda e: e["ts"]
@@ -247,14 +248,16 @@ class LiveRun:
                 others += 1
         self._pace = sorted(self._pace + pace, key=lambda row: row["ts"])[-RATE_WINDOW:]
         self.events = sorted(self.events + kept, key=lambda row: row["ts"])
-        steps = [e["step"] for e in self.events if e["event"] == "step"]
+        steps = [e["step"] for e in self.events if e["event"] == Event.STEP]
         top = max(steps, default=0)
         while len(steps) > KEEP_STEPS and self._every <= top:
             self._every *= 2
-            self.events = [e for e in self.events if e["event"] != "step" or e["step"] % self._every == 0]
+            self.events = [e for e in self.events if e["event"] != Event.STEP or e["step"] % self._every == 0]
             steps = [step for step in steps if step % self._every == 0]
         if len(steps) > KEEP_STEPS:  # lines that repeat the same few steps: the newest are kept
-            old = {id(e) for e in [e for e in self.events if e["event"] == "step"][: len(steps) - KEEP_STEPS]}
+            old = {
+                id(e) for e in [e for e in self.events if e["event"] == Event.STEP][: len(steps) - KEEP_STEPS]
+            }
             self.events = [e for e in self.events if id(e) not in old]
 
     def refresh(self) -> None:
@@ -319,7 +322,7 @@ def _eta(events: list[dict[str, Any]], attempt: int, step: int, max_steps: Any) 
     recent = [
         r
         for r in events
-        if r.get("event") == "step"
+        if r.get("event") == Event.STEP
         and r.get("rank") == 0
         and r.get("attempt") == attempt
         and isinstance(r.get("step"), int)
@@ -360,9 +363,9 @@ def _members(
             },
         )
         row["seen_s"] = round(t_end - event["ts"], 1)
-        if event.get("event") == "step" and isinstance(event.get("step"), int):
+        if event.get("event") == Event.STEP and isinstance(event.get("step"), int):
             row["step"] = event["step"]
-        elif event.get("event") == "train_done":
+        elif event.get("event") == Event.TRAIN_DONE:
             row["state"] = "finished"
         elif event.get("event") in ENDINGS:
             row["state"] = ENDINGS[event["event"]]
@@ -379,7 +382,7 @@ def _deaths(events: list[dict[str, Any]], failures: dict[int, int], t0: float) -
     for event in events:
         if event.get("pid") in failures and "rank" in event:
             last[event["pid"]] = event
-    spoke = {e["pid"] for e in last.values() if e["event"] in ENDINGS or e["event"] == "train_done"}
+    spoke = {e["pid"] for e in last.values() if e["event"] in ENDINGS or e["event"] == Event.TRAIN_DONE}
     return [
         {"t": round(e["ts"] - t0, 1),
          "text": f"rank {e['rank']} on {_host(e)} (pid {pid}) {_death(failures[pid])}"[:300]}
@@ -390,7 +393,7 @@ def _deaths(events: list[dict[str, Any]], failures: dict[int, int], t0: float) -
 
 def _newest_job(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of the newest `start` (a run directory started again holds those of the earlier ones)."""
-    starts = [i for i, record in enumerate(launcher) if record["event"] == "job_start"]
+    starts = [i for i, record in enumerate(launcher) if record["event"] == Event.JOB_START]
     return launcher[starts[-1] :] if starts else launcher
 
 
@@ -446,14 +449,14 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
 def _thinned(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events with at most about CHART_STEPS step lines per rank and attempt (every k-th step, the same
     steps on every rank), for the charts: drawn a few hundred pixels wide, more points show nothing more."""
-    steps = sum(1 for e in events if e.get("event") == "step" and e.get("rank") == 0)
+    steps = sum(1 for e in events if e.get("event") == Event.STEP and e.get("rank") == 0)
     every = -(-steps // CHART_STEPS)
     if every <= 1:
         return events
     return [
         e
         for e in events
-        if e.get("event") != "step" or not isinstance(e.get("step"), int) or e["step"] % every == 0
+        if e.get("event") != Event.STEP or not isinstance(e.get("step"), int) or e["step"] % every == 0
     ]
 
 
@@ -483,13 +486,13 @@ def live_state(
     attempt = newest.attempt if newest else None
     members = _members(events, attempt, events[-1]["ts"], failures) if attempt is not None else []
     job = _newest_job(launcher)
-    job_ts = job[0].get("ts") if job and job[0]["event"] == "job_start" else None
+    job_ts = job[0].get("ts") if job and job[0]["event"] == Event.JOB_START else None
     # A run directory started again holds the lines of the earlier starts: only the newest attempt's
     # train_done, and only the newest start's job_end, say how it stands now.
     earlier = newest is not None and job_ts is not None and job_ts > t0 + newest.start
-    if not earlier and any(e["event"] == "train_done" and e.get("attempt") == attempt for e in events):
+    if not earlier and any(e["event"] == Event.TRAIN_DONE and e.get("attempt") == attempt for e in events):
         name = "finished"
-    elif any(r["event"] == "job_end" for r in job):
+    elif any(r["event"] == Event.JOB_END for r in job):
         name = "ended without finishing"
     elif earlier:
         name = "starting"  # started again; no worker of this start has written a line yet
@@ -505,7 +508,7 @@ def live_state(
             why = event.get("reason") or event.get("error") or ""
             saves.append({"t": round(event["ts"] - t0, 1), "kind": kind, "step": event.get("step"),
                           "why": str(why)[:300]})  # fmt: skip
-    evals = [r for r in events if r.get("event") == "eval" and "em" in r]
+    evals = [r for r in events if r.get("event") == Event.EVAL and "em" in r]
     injected = [
         {"index": i, "fault": f.get("fault"), "target": f.get("target", ""), "step": f.get("step"),
          "t": round(f["ts"] - t0, 1) if isinstance(f.get("ts"), (int, float)) else None,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
 from elastic_qa.report.charts import Marker, Series, line_chart
 from elastic_qa.report.charts import escape as _esc
@@ -60,7 +61,7 @@ def _latest_per_step(rows: list[dict], field: str) -> list[tuple[float, float]]:
 def _per_rank(events: list[dict], field: str) -> dict[int, list[tuple[float, float]]]:
     rows: dict[int, list[dict]] = defaultdict(list)
     for row in events:
-        if row.get("event") == "step":
+        if row.get("event") == Event.STEP:
             rows[row.get("rank", 0)].append(row)
     return {rank: _latest_per_step(rank_rows, field) for rank, rank_rows in sorted(rows.items())}
 
@@ -121,14 +122,14 @@ def charts_html(
     max_steps = (
         (config.get("train") or {}).get("max_steps") if isinstance(config.get("train"), dict) else None
     )
-    steps = [r["step"] for r in events if r.get("event") == "step" and isinstance(r.get("step"), int)]
+    steps = [r["step"] for r in events if r.get("event") == Event.STEP and isinstance(r.get("step"), int)]
     step_range = (0.0, float(max([*steps, max_steps or 0, 1])))
-    rank0 = [r for r in events if r.get("event") == "step" and r.get("rank") == 0]
+    rank0 = [r for r in events if r.get("event") == Event.STEP and r.get("rank") == 0]
 
     loss = []
     if reference_dir is not None:  # first and wide, so that a run that matches it shows on top of it
         reference = [
-            r for r in read_events(Path(reference_dir)) if r.get("event") == "step" and r.get("rank") == 0
+            r for r in read_events(Path(reference_dir)) if r.get("event") == Event.STEP and r.get("rank") == 0
         ]
         loss.append(Series("fault-free reference", _latest_per_step(reference, "loss"), "#c8c8c8", stroke=5))
     loss += [
@@ -161,7 +162,7 @@ def charts_html(
             r["ts"] - t0, f"checkpoint of step {r.get('step')} committed ({r.get('reason', '')})", "#2ca02c"
         )
         for r in events
-        if r.get("event") == "checkpoint_committed"
+        if r.get("event") == Event.CHECKPOINT_COMMITTED
     ]
     markers += [
         Marker(
@@ -206,7 +207,7 @@ def charts_html(
             height=250,
         )
     )
-    evals = [r for r in events if r.get("event") == "eval" and "em" in r]
+    evals = [r for r in events if r.get("event") == Event.EVAL and "em" in r]
     charts.append(
         line_chart(
             "Evaluation",

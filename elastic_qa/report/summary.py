@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from elastic_qa.observe.events import Event
+
 # The last words an attempt can leave, most telling first; none of them means it was killed outright.
 _ENDINGS = {
     "train_done": "finished",
@@ -44,9 +46,11 @@ def attempts(events: list[dict[str, Any]], t0: float) -> list[Attempt]:
             by_attempt.setdefault(row["attempt"], []).append(row)
     found = []
     for number, rows in by_attempt.items():
-        starts = [r for r in rows if r.get("event") == "worker_start"]
-        steps = [r["step"] for r in rows if r.get("event") == "step" and isinstance(r.get("step"), int)]
-        resumed = [r["step"] for r in rows if r.get("event") == "resume" and isinstance(r.get("step"), int)]
+        starts = [r for r in rows if r.get("event") == Event.WORKER_START]
+        steps = [r["step"] for r in rows if r.get("event") == Event.STEP and isinstance(r.get("step"), int)]
+        resumed = [
+            r["step"] for r in rows if r.get("event") == Event.RESUME and isinstance(r.get("step"), int)
+        ]
         names = {r.get("event") for r in rows}
         ending = next((text for name, text in _ENDINGS.items() if name in names), "no last word (killed?)")
         world = max((r.get("world_size") or 0 for r in starts or rows), default=0)
@@ -145,12 +149,12 @@ def run_summary(events: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
     """The facts a report opens with (plain values; the page formats them)."""
     t0, t_end = events[0]["ts"], events[-1]["ts"]
     runs = attempts(events, t0)
-    steps = [r for r in events if r.get("event") == "step"]
-    done = [r for r in events if r.get("event") == "train_done"]
-    evals = [r for r in events if r.get("event") == "eval" and "em" in r]
-    commits = [r for r in events if r.get("event") == "checkpoint_committed"]
+    steps = [r for r in events if r.get("event") == Event.STEP]
+    done = [r for r in events if r.get("event") == Event.TRAIN_DONE]
+    evals = [r for r in events if r.get("event") == Event.EVAL and "em" in r]
+    commits = [r for r in events if r.get("event") == Event.CHECKPOINT_COMMITTED]
     max_steps = _section(config, "train").get("max_steps") or next(
-        (r["max_steps"] for r in events if r.get("event") == "train_start" and "max_steps" in r), None
+        (r["max_steps"] for r in events if r.get("event") == Event.TRAIN_START and "max_steps" in r), None
     )
     final = next((r for r in reversed(done) if "em" in r), None)
     result = None
