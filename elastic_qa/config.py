@@ -315,8 +315,13 @@ class TrainConfig:
     """torch.compile's mode when compile is true: `reduce-overhead` adds CUDA graphs, `max-autotune` times
     kernel choices at compile time (a longer first step)."""
     compile_cache: bool = True
-    """Keep the compiler's caches in <run.dir>/compile-cache (owner-only), so that a restarted worker loads
-    what was compiled instead of compiling again; false: every start compiles from nothing."""
+    """Keep the compiler's caches (in compile_cache_dir, one directory per host and run directory), so that a
+    restarted worker loads what was compiled instead of compiling again; false: every start compiles from
+    nothing."""
+    compile_cache_dir: str = "~/.cache/elastic_qa/compile"
+    """Where this user's compile caches live (absolute, or under ~): every level must be this user's or root's
+    and writable by no one else (checked at every start; docs/compile.md). Refused inside run.dir, which
+    others may write or copy."""
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 1 (0: train.epochs sets it)")
@@ -337,6 +342,12 @@ class TrainConfig:
         _require(self.global_batch_size >= 1, "global_batch_size", self.global_batch_size, "must be >= 1")
         _require(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", self.lr, "must be a positive number")
+        _require(
+            self.compile_cache_dir.startswith(("/", "~")),
+            "compile_cache_dir",
+            self.compile_cache_dir,
+            "must be an absolute path or start with ~ (a relative one would follow the working directory)",
+        )
         _require(
             self.reference_batch_size >= 1, "reference_batch_size", self.reference_batch_size, "must be >= 1"
         )

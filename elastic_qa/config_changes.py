@@ -23,7 +23,9 @@ from elastic_qa.run_length import end_step, length_text
 _MODEL_NOT_SHAPE = frozenset({"model.dropout", "model.grad_checkpointing"})
 _DATA_SHAPE = frozenset({"data.tokenizer", "data.vocab_size", "data.lowercase"})
 # Where things are, not what is trained: a run resumed from another path is the same run.
-_IGNORED = frozenset({"run.dir", "checkpoint.dir", "checkpoint.resume_from", "data.cache_dir"})
+_IGNORED = frozenset(
+    {"run.dir", "checkpoint.dir", "checkpoint.resume_from", "data.cache_dir", "train.compile_cache_dir"}
+)
 # What a checkpoint written before these keys existed was trained with: a resume that sets another value
 # changes something, unlike a key the checkpoint merely predates.
 _BEFORE_THE_KEY: dict[tuple[str, str], Any] = {("train", "lr_schedule"): LR_SCHEDULE_BEFORE_THE_KEY}
