@@ -35,7 +35,6 @@ from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
 from elastic_qa.data.examples import DataError
-from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.exits import EXIT_BAD_INPUT
 from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
@@ -58,6 +57,7 @@ from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import check_installed as check_trackers_installed
 from elastic_qa.run_length import end_step, length_text
+from elastic_qa.session.hold import RunHeldError, check_before_start
 
 LOOPBACK = "127.0.0.1"
 WARM_PRELOAD = "elastic_qa.launcher.warm_start"  # what each agent's forkserver imports for its workers
@@ -226,6 +226,7 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
     # Here, not at the top: they import torch (seconds on a loaded host), which `join` (a new agent while
     # the job runs), `leave`, `stop` and `status` do not need.
     from elastic_qa.checkpoint.locate import newest_saved_trainer
+    from elastic_qa.compile import compile_cache_dir, private_directory
     from elastic_qa.models import family_for
     from elastic_qa.prep import prepare
 
@@ -239,6 +240,8 @@ def check_inputs(cfg_name: str, overrides: list[str]) -> Config:
         if "tensorboard" in cfg.log.tracker_names:
             TensorBoardScalars.check_installed()
         check_trackers_installed(cfg)
+        if cfg.train.compile:  # each worker checks it again; a bad one is refused here, not in a crash loop
+            private_directory(compile_cache_dir(cfg))
         data = prepare(cfg, family_for(cfg.model))
         saved = newest_saved_trainer(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     except (DataError, ConfigError) as err:
@@ -293,15 +296,13 @@ def cmd_start(args: argparse.Namespace) -> int:
         print(f"launch: a job is already running in {run_dir} (use join/leave/stop)", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:  # a live job on the same checkpoints started elsewhere (by hand, another run.dir, another host)
-        RunHold(cfg.checkpoint_dir, "", str(run_dir)).check()
+        check_before_start(cfg.checkpoint_dir, "", str(run_dir))
     except RunHeldError as err:
         print(f"elastic-qa: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except CheckpointError as err:  # holders/ is no real directory of the store (checkpoint/confined.py)
         print(f"elastic-qa: checkpoint.dir={cfg.checkpoint_dir}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
-        pass
     check_writable(run_dir)
     job = {
         "run_id": f"eqa-{os.getpid()}-{int(time.time())}",

@@ -92,3 +92,27 @@ def test_a_run_directory_the_launcher_cannot_write_is_refused_in_one_line_before
     assert not (run_dir / "launch.json").exists()
     if blocked == "agents/ a file":
         assert (run_dir / "agents").read_text() == "kept"
+
+
+def test_a_compile_cache_the_workers_could_not_use_is_refused_before_any_agent(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """train.compile with a compile cache directory that cannot be created: one line naming the setting,
+    exit 2, nothing started (not each worker's bad-input exit, three times over, in a crash loop)."""
+    import subprocess
+    import sys
+
+    from elastic_qa.launcher.processes import python_env
+
+    (tmp_path / "a-file").write_text("")
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "elastic_qa.launcher.local", "start", "--agents", "2", "--config", "tiny",
+         f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", "train.compile=true",
+         f"train.compile_cache_dir={tmp_path / 'a-file' / 'cache'}"],
+        capture_output=True, text=True, env=python_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("elastic-qa: train.compile_cache_dir: ") and "a-file" in line, line
+    assert not (run_dir / "launch.json").exists()
