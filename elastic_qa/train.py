@@ -11,7 +11,6 @@ from __future__ import annotations
 
 # isort: off
 # First: the start-up clock's `interpreter` phase ends here, before the imports below (torch among them).
-from elastic_qa.observe.events import Event
 from elastic_qa.observe.startup import STARTUP, dynamo_warmup, structlog_without_rich
 
 if __name__ == "__main__":  # a worker process of its own, not an import by the Python API
@@ -19,6 +18,7 @@ if __name__ == "__main__":  # a worker process of its own, not an import by the 
     structlog_without_rich()
 # isort: on
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -41,16 +41,17 @@ from elastic_qa.dist import (
     under_torchrun_agent,
 )
 from elastic_qa.elastic.control import PeerFailure
-from elastic_qa.elastic.hold import RunHeldError, RunHold
-from elastic_qa.elastic.session import FinalStateError
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
 from elastic_qa.metrics import em_f1_text
 from elastic_qa.models import family_for
 from elastic_qa.observe.console import UNDER_LAUNCHER, print_safely
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.prep import prepare
+from elastic_qa.session.hold import RunHeldError, check_before_start
+from elastic_qa.session.saver import FinalStateError
 from elastic_qa.train_state import ResumeError
 from elastic_qa.trainer import Trainer
 
@@ -121,12 +122,10 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         STARTUP.begin(born=time.time())
     if cfg.run.private:  # owner-only run, log and checkpoint files (0600/0700): before any is created
         os.umask(0o077)
-    try:  # before this start writes anything into the run (its logs): a live job must not see it
-        RunHold(cfg.checkpoint_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.run.dir).check()
-    except RunHeldError:
-        raise
-    except Exception:  # noqa: BLE001 - storage trouble: the hold taken at registration decides
-        pass
+    # Before this start writes anything into the run (its logs): a live job must not see it. A holders/
+    # that is no real directory is left to the restore, which refuses it (ResumeError) with the path.
+    with contextlib.suppress(CheckpointError):
+        check_before_start(cfg.checkpoint_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.run.dir)
     watchdog = AgentWatchdog(
         cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
     )

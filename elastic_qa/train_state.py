@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from elastic_qa.checkpoint.best import BestTracker
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
@@ -251,7 +252,9 @@ def upgrade(trainer: dict[str, Any], where: str = "checkpoint") -> dict[str, Any
     }
 
 
-def gather_rng_states(ctx: DistContext, group: Any, everywhere: bool = False) -> dict[str, Any]:
+def gather_rng_states(
+    ctx: DistContext, group: ProcessGroup | None, everywhere: bool = False
+) -> dict[str, Any]:
     """Every rank's RNG state on rank 0 (and on this rank too when `everywhere`), moved as bytes in uint8
     tensors and read with weights_only.
 

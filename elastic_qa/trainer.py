@@ -10,24 +10,22 @@
 
 What every rank must agree on and the phases a worker goes through (running, stopping, emergency, done)
 are in elastic/control.py; what a checkpoint holds in train_state.py; how it is saved in
-elastic/session.py; the model's build, one step's micro-batches and optimizer step, the step line and
+session/; the model's build, one step's micro-batches and optimizer step, the step line and
 evaluation with the best tracker in loop/.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
-from elastic_qa.data.cursor import GlobalCursor
 from elastic_qa.data.loader import StepBatch, build_train_loader
 from elastic_qa.dist import DistContext, forked_worker, unwrap
 from elastic_qa.elastic.control import (
@@ -39,9 +37,8 @@ from elastic_qa.elastic.control import (
     failure_reason,
     gloo_all_reduce,
 )
-from elastic_qa.elastic.session import CheckpointSession, FinalStateError
 from elastic_qa.elastic.signals import StopRequest
-from elastic_qa.loop.model import build_trained_model
+from elastic_qa.loop.model import build_trained_model, new_train_state
 from elastic_qa.loop.scoring import Scoring
 from elastic_qa.loop.step import accumulate_gradients, autocast_dtype, optimizer_step
 from elastic_qa.loop.step_log import StepLog, StepStats
@@ -54,9 +51,8 @@ from elastic_qa.observe.log import get_logger
 from elastic_qa.observe.startup import STARTUP
 from elastic_qa.observe.tensorboard import TensorBoardScalars
 from elastic_qa.observe.trackers import Trackers, check_installed
-from elastic_qa.optim import build_optimizer, build_scheduler
-from elastic_qa.run_length import end_step
-from elastic_qa.train_state import ResumeError, TrainState, seed_step_rng, step_seed
+from elastic_qa.session.checkpoints import CheckpointSession, FinalStateError
+from elastic_qa.train_state import ResumeError, seed_step_rng, step_seed
 
 OTHER_RANK_STOP = "asked on another rank"
 
@@ -69,7 +65,7 @@ class Trainer:
         self.log = get_logger()
         self.device = ctx.device
         # Control flags travel on a CPU (gloo) group, so reading them never syncs a GPU stream.
-        self.control_group = None
+        self.control_group: ProcessGroup | None = None
         if ctx.distributed:
             self.control_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
         STARTUP.mark("process_group")
@@ -77,23 +73,8 @@ class Trainer:
         built = build_trained_model(cfg, ctx, data, self.family, self.control_group)
         self.model, self.trained, self.draws_random = built.model, built.trained, built.draws_random
         self.compile_watch, self.comm_timer = built.compile_watch, built.comm_timer
-        model = unwrap(self.model)
-        precision = cfg.train.precision
-        self.autocast_dtype = autocast_dtype(precision, self.device)
-        optimizer = build_optimizer(model, cfg)
-        end = end_step(cfg.train, len(data.train))  # a resume may keep its checkpoint's (TrainState)
-        self.state = TrainState(
-            cfg,
-            ctx,
-            self.model,
-            optimizer,
-            build_scheduler(optimizer, cfg, end),
-            torch.amp.GradScaler("cuda") if precision == "fp16" else None,
-            GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
-            vocabulary=data.vocabulary,
-            end=end,
-            loss_invariant=built.loss_invariant,
-        )
+        self.autocast_dtype = autocast_dtype(cfg.train.precision, self.device)
+        self.state = new_train_state(cfg, ctx, data, built)
         STARTUP.mark("optimizer")
         self.control = ControlPlane(
             ctx.is_main,
@@ -106,7 +87,7 @@ class Trainer:
         self.session = CheckpointSession(
             cfg, ctx, self.state, self.control_group, self.timer.add_stall, lambda: stop.requested
         )
-        self.console = Console(cfg.log.console, end, enabled=ctx.is_main)
+        self.console = Console(cfg.log.console, self.state.end_step, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         tensorboard = "tensorboard" in cfg.log.tracker_names
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
@@ -114,17 +95,8 @@ class Trainer:
         self.trackers: Trackers | None = None  # started once the run is registered
         self.step_log = StepLog(ctx, self.console, self.scalars)
         self.state.unwritten_lines = self.step_log.unwritten  # an emergency save carries them
-        self.scoring = Scoring(
-            cfg,
-            ctx,
-            self.control_group,
-            self.family,
-            data,
-            self.state,
-            self.autocast_dtype,
-            self.console,
-            self.scalars,
-        )
+        parts = (self.control_group, self.family, data, self.state, self.autocast_dtype, self.console)
+        self.scoring = Scoring(cfg, ctx, *parts, self.scalars)
         STARTUP.mark("trainer_init")
 
     # ---- start-up -----------------------------------------------------------------------------------
@@ -132,7 +104,8 @@ class Trainer:
         """Restore, register this attempt and say so, in the one order a start may take: the restore reads
         only, so a start refused as bad input (exit 2) writes nothing and fences no job running on this run.
         `worker_fields` go into the `worker_start` line; returns the attempt number."""
-        self._restore()
+        self.session.restore()  # reads only: a refused start writes nothing
+        self.console.total = self.state.end_step
         attempt = self._register_attempt()
         STARTUP.mark("register")
         ctx = self.ctx
@@ -147,11 +120,6 @@ class Trainer:
         # e.g. a base model's QA head, said once here (a resume loads it from the checkpoint)
         self.session.log_start(list(getattr(unwrap(self.model), "newly_initialized", ())))
         return attempt
-
-    def _restore(self) -> None:
-        """Load the newest valid checkpoint into this run; reads only (a refused start writes nothing)."""
-        self.session.restore()
-        self.console.total = self.state.end_step
 
     def _register_attempt(self) -> int:
         attempt = self.session.register()
@@ -242,18 +210,11 @@ class Trainer:
         return decision
 
     def _train_step(self, batch: StepBatch, pending: Agreement | None) -> tuple[StepStats, Decision]:
-        model, device, state = self.model, self.device, self.state
+        state, micro = self.state, self.cfg.train.micro_batch_size
         if self.draws_random:
-            seed_step_rng(step_seed(self.cfg.run.seed, batch.step, self.ctx.rank), device)
-        loss_sum = accumulate_gradients(
-            model,
-            self.family,
-            batch,
-            self.ctx,
-            self.cfg.train.micro_batch_size,
-            self.autocast_dtype,
-            state.scaler,
-        )
+            seed_step_rng(step_seed(self.cfg.run.seed, batch.step, self.ctx.rank), self.device)
+        model, family, dtype = self.model, self.family, self.autocast_dtype
+        loss_sum = accumulate_gradients(model, family, batch, self.ctx, micro, dtype, state.scaler)
         self.timer.mark("forward_backward")
         decision = self.control.finish(batch.step, pending)  # the last collective of the step
         logged = self._logs_line(batch.step)  # else, unless it clips, no step needs the gradient norm
@@ -285,8 +246,8 @@ class Trainer:
         self.timer.mark("log_and_save")
         console = self.console if self.ctx.is_main else None
         self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
-        if not STARTUP.reported:
-            self._log_startup()
+        if not STARTUP.reported:  # warm: a fork of the agent's forkserver (launcher/warm_start.py)
+            STARTUP.log_first_step(self.log, step, warm=forked_worker())
         if debug.pauses(cfg):  # else after_step has nothing to do
             debug.after_step(
                 cfg, self.ctx.rank, step, lambda: self.stop_request.requested, self.control.flush
@@ -295,16 +256,6 @@ class Trainer:
     def _logs_line(self, step: int) -> bool:
         """Whether `step` gets a `step` line (log.every_steps, and the last step)."""
         return step % self.cfg.log.every_steps == 0 or step == self.state.end_step
-
-    def _log_startup(self) -> None:
-        """The `startup` event, once, after this process's first step (observe/startup.py)."""
-        STARTUP.mark("first_step")
-        STARTUP.reported = True
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        warm = forked_worker()  # a fork of the agent's forkserver, its imports done (launcher/warm_start.py)
-        self.log.info(
-            Event.STARTUP, step=self.state.step, restart_count=restart, warm=warm, **STARTUP.fields()
-        )
 
     def _evaluate(self) -> dict[str, float] | None:
         return self.scoring.run(unwrap(self.model), self.trackers)

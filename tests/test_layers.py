@@ -30,7 +30,7 @@ LAYERS = {
     "compile": 1,
     "prep": 1,
     "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2, "report": 2,
-    "elastic": 3, "loop": 3,
+    "elastic": 3, "loop": 3, "session": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,
     "serve": 5,
@@ -307,3 +307,10 @@ def test_training_reaches_the_preparation_only_through_prepare() -> None:
     allowed = {"train.py": ["from elastic_qa.prep import prepare"], "trainer.py": [], "evaluation.py": []}
     found = {name: prep_imports(REPO / "elastic_qa" / name) for name in allowed}
     assert found == allowed
+
+
+def test_the_training_loop_reads_in_one_sitting() -> None:
+    """trainer.py is the loop and nothing else (its parts live in loop/, session/, observe/): at most 300
+    lines, so that the whole of it is read at once."""
+    lines = len((REPO / "elastic_qa" / "trainer.py").read_text().splitlines())
+    assert lines <= 300, f"trainer.py has {lines} lines: move a part out (loop/, session/)"

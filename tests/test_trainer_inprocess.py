@@ -22,12 +22,12 @@ from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.store import step_dir_name
 from elastic_qa.dist import DistContext
 from elastic_qa.elastic.control import PeerFailure
-from elastic_qa.elastic.hold import RunHold
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.log import configure_logging
 from elastic_qa.prep import prepare
+from elastic_qa.session.hold import RunHold
 from elastic_qa.train import stopped_exit_code
 from elastic_qa.trainer import Trainer
 

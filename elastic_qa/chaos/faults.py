@@ -20,10 +20,10 @@ from pathlib import Path
 
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
-from elastic_qa.elastic.hold import REFUSED_LINE
 from elastic_qa.launcher.processes import alive, python_env
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import read_events
+from elastic_qa.session.hold import REFUSED_LINE
 
 STATE_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 

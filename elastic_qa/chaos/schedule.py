@@ -38,7 +38,7 @@ KINDS = (
     "second-job",
 )
 # Faults after which the worker group restarts (and so must recover), and those that must lose nothing.
-# second-job restarts nothing: the live job holds its run, so the second job is refused (elastic/hold.py).
+# second-job restarts nothing: the live job holds its run, so the second job is refused (session/hold.py).
 RESTARTING = frozenset(
     {"kill-worker", "kill-node", "term-node", "join-node", "kill-during-save", "hup", "corrupt-replay"}
 )

@@ -1,6 +1,6 @@
 """The checkpoint directory's own subdirectories: used only when they are real directories inside it.
 
-The trainer writes and deletes files in `attempts/` (fencing.py), `holders/` (elastic/hold.py) and
+The trainer writes and deletes files in `attempts/` (fencing.py), `holders/` (session/hold.py) and
 `rejected/` (store.py's quarantine). On local storage any of them may be a symbolic link to another
 directory, and following it wrote claims and quarantined steps there and deleted every `*.json` there that
 was not a hold record. So each is used only as a real directory (or created as one); anything else is

@@ -13,7 +13,7 @@ newest copy is kept. Writers on a node (the background writer, the survivors' em
 exclusive lock on `<key>.lock` first: one writes at a time, so at most one extra copy is in memory while a
 new one is written, and a step already there is not written twice.
 
-Trust (checked by the session at restore, elastic/session.py): a copy is used only when it verifies, its
+Trust (checked by the session at restore, session/restore.py): a copy is used only when it verifies, its
 manifest names the run the durable store belongs to (`run`) and the newest attempt registered there
 (fencing: a copy written by a stale group is never used), and every rank holds it at the same step.
 

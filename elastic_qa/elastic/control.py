@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 COLLECTIVES = (
     "control_all_reduce",
@@ -212,7 +213,7 @@ class ControlPlane:
             offset += values.numel()
 
 
-def gloo_all_reduce(group: Any) -> Callable[[torch.Tensor], Any]:
+def gloo_all_reduce(group: ProcessGroup | None) -> Callable[[torch.Tensor], Any]:
     def all_reduce(flags: torch.Tensor) -> Any:
         return dist.all_reduce(flags, group=group, async_op=True)
 

@@ -269,8 +269,9 @@ def run_node(args: argparse.Namespace) -> int:
     if args.rdzv_backend == "c10d":
         check_store_endpoint(endpoint, plan.endpoint_address, args.store_host)
     # Here, not at the top: it imports torch (seconds), and a refused network plan answers at once.
-    from elastic_qa.elastic.hold import RunHeldError, RunHold
+    from elastic_qa.checkpoint.errors import CheckpointError
     from elastic_qa.launcher.local import check_inputs, warm_preload
+    from elastic_qa.session.hold import RunHeldError, check_before_start
 
     cfg = check_inputs(args.config, args.overrides)  # exit 2 on bad config or data; builds the cache
     run_dir = Path(cfg.run.dir)
@@ -278,11 +279,11 @@ def run_node(args: argparse.Namespace) -> int:
     log = NodeLog(run_dir, node)
     rdzv_id = args.rdzv_id or default_rdzv_id(str(run_dir))
     try:  # a live job of another run id holds these checkpoints: each of our workers would be refused
-        RunHold(cfg.checkpoint_dir, rdzv_id, str(run_dir)).check()
+        check_before_start(cfg.checkpoint_dir, rdzv_id, str(run_dir))
     except RunHeldError as err:
         raise UsageError(str(err)) from None
-    except Exception:  # noqa: BLE001 - storage trouble: each worker's own check decides
-        pass
+    except CheckpointError as err:  # holders/ is no real directory of the store (checkpoint/confined.py)
+        raise UsageError(f"checkpoint.dir={cfg.checkpoint_dir}: {err}") from None
     command = torchrun_command(args, plan, rdzv_id, warm_preload(cfg, args.module))
     env = {
         **python_env(),

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from elastic_qa.checkpoint.locate import newest_saved_trainer
 from elastic_qa.checkpoint.store import CheckpointError
@@ -58,7 +59,12 @@ def known_frozen(answer: Any, identity: str, names: list[str]) -> list[str] | No
 
 
 def freeze_loss_invariant(
-    model: torch.nn.Module, cfg: Config, family: ModelFamily, train: Features, ctx: DistContext, group: Any
+    model: torch.nn.Module,
+    cfg: Config,
+    family: ModelFamily,
+    train: Features,
+    ctx: DistContext,
+    group: ProcessGroup | None,
 ) -> dict[str, Any]:
     """Freeze the parameters the span loss cannot see (models/invariance.py), the same on every rank; the
     answer, {"identity", "frozen": names}, for the checkpoints to carry.

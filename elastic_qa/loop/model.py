@@ -6,14 +6,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from elastic_qa.compile import CompileWatch, compile_model, use_compile_cache
 from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
-from elastic_qa.dist import CommTimer, DistContext, wrap_model
+from elastic_qa.data.cursor import GlobalCursor
+from elastic_qa.dist import CommTimer, DistContext, unwrap, wrap_model
 from elastic_qa.loop.freeze import freeze_loss_invariant
 from elastic_qa.models import ModelFamily
 from elastic_qa.observe.startup import STARTUP
+from elastic_qa.optim import build_optimizer, build_scheduler
+from elastic_qa.run_length import end_step
+from elastic_qa.train_state import TrainState
 
 
 @dataclass
@@ -27,7 +32,7 @@ class TrainedModel:
 
 
 def build_trained_model(
-    cfg: Config, ctx: DistContext, data: PreparedData, family: ModelFamily, group: Any
+    cfg: Config, ctx: DistContext, data: PreparedData, family: ModelFamily, group: ProcessGroup | None
 ) -> TrainedModel:
     """Identical initial weights on every rank (seeded by run.seed); the freeze's answer is rank 0's (its
     probe's, or the one the newest checkpoint carries for this model), broadcast on `group`."""
@@ -54,3 +59,22 @@ def build_trained_model(
     wrapped = wrap_model(model, ctx, cfg.dist, comm_timer)
     STARTUP.mark("model_build")
     return TrainedModel(wrapped, trained, draws_random, compile_watch, comm_timer, loss_invariant)
+
+
+def new_train_state(cfg: Config, ctx: DistContext, data: PreparedData, built: TrainedModel) -> TrainState:
+    """The training state of a fresh start around `built`: its optimizer and schedule to the run's end
+    step (a resume may keep its checkpoint's: TrainState), the fp16 gradient scaler, the data cursor."""
+    optimizer = build_optimizer(unwrap(built.model), cfg)
+    end = end_step(cfg.train, len(data.train))
+    return TrainState(
+        cfg,
+        ctx,
+        built.model,
+        optimizer,
+        build_scheduler(optimizer, cfg, end),
+        torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None,
+        GlobalCursor(len(data.train), cfg.train.global_batch_size, cfg.run.seed),
+        vocabulary=data.vocabulary,
+        end=end,
+        loss_invariant=built.loss_invariant,
+    )

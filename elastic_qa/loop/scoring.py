@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
@@ -45,7 +45,7 @@ class Scoring:
         self,
         cfg: Config,
         ctx: DistContext,
-        control_group: Any,
+        control_group: ProcessGroup | None,
         family: ModelFamily,
         data: PreparedData,
         state: TrainState,

@@ -19,13 +19,17 @@ import statistics
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from elastic_qa.dist import CommTimer
+from elastic_qa.dist import CommTimer, DistContext
 from elastic_qa.observe.events import Event
+
+if TYPE_CHECKING:  # the console reads the breakdown's figures: a type only here
+    from elastic_qa.observe.console import Console
 
 # Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
 Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
@@ -92,7 +96,14 @@ class StepTimer:
         steps = len(self.rate_window) - 1
         return steps * global_count / max(self.rate_window[-1] - self.rate_window[0], 1e-9)
 
-    def finish_step(self, ctx: Any, group: Any, log: Any, console: Any, carry: Carry | None = None) -> None:
+    def finish_step(
+        self,
+        ctx: DistContext,
+        group: ProcessGroup | None,
+        log: Any,
+        console: Console | None,
+        carry: Carry | None = None,
+    ) -> None:
         """Close the step; on a reporting step, log this rank's breakdown and (rank 0) the diagnosis, from
         every rank's figures: gathered now on `group`, or summed where `carry` takes them (the next step's
         control all-reduce: ControlPlane.carry), each rank's in its own slot."""
@@ -134,7 +145,13 @@ class StepTimer:
         self.window_started = now
 
     def _share(
-        self, ctx: Any, group: Any, figures: dict[str, float], log: Any, console: Any, carry: Carry | None
+        self,
+        ctx: DistContext,
+        group: ProcessGroup | None,
+        figures: dict[str, float],
+        log: Any,
+        console: Console | None,
+        carry: Carry | None,
     ) -> None:
         # busy: time this rank spent on its own work, not waiting for its peers inside the all-reduce
         busy = figures["data_s"] + figures["forward_backward_s"] + figures["optimizer_s"] - figures["comm_s"]
@@ -153,7 +170,9 @@ class StepTimer:
             dist.all_gather(rows, mine, group=group)
         self._diagnose(ctx, step, rows, log, console)
 
-    def _diagnose(self, ctx: Any, step: int, rows: list[torch.Tensor], log: Any, console: Any) -> None:
+    def _diagnose(
+        self, ctx: DistContext, step: int, rows: list[torch.Tensor], log: Any, console: Console | None
+    ) -> None:
         """Rank 0 names what bounds the run from every rank's (step_s, data_s, comm_s, busy_s) at `step`."""
         if not ctx.is_main:
             return

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.observe.events import Event
+
 
 def process_birth() -> float | None:
     """The wall-clock time this process was created: its start time in /proc/self/stat (clock ticks since
@@ -79,6 +81,14 @@ class StartupClock:
         fields: dict[str, Any] = {f"{phase}_s": round(seconds, 4) for phase, seconds in self.phases.items()}
         fields["total_s"] = round(sum(self.phases.values()), 4)
         return fields
+
+    def log_first_step(self, log: Any, step: int, warm: bool) -> None:
+        """The `startup` event, once, after the process's first step: its phases, which restart of the
+        job's workers this is (torchrun's count) and whether it is `warm` (a fork with its imports done)."""
+        self.mark("first_step")
+        self.reported = True
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        log.info(Event.STARTUP, step=step, restart_count=restart, warm=warm, **self.fields())
 
 
 # The one clock of this process (a worker is one trainer).

@@ -19,8 +19,9 @@ from elastic_qa.checkpoint.run_record import belongs, new_record, read_record, w
 from elastic_qa.checkpoint.store import MANIFEST, RUN_RECORD
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, load_config, packaged_config
-from elastic_qa.elastic.session import _uuid_of, _uuid_words
 from elastic_qa.observe.follow import read_events
+from elastic_qa.session.restore import uuid_of as _uuid_of
+from elastic_qa.session.restore import uuid_words as _uuid_words
 from tests.checkpoint.runs import snapshot, train, trained_ok
 from tests.conftest import tiny_overrides
 

@@ -295,3 +295,15 @@ class RunHold:
                 self._confined()
                 self.fs.rm(self._path(self.run_id))
             self.mine = None
+
+
+def check_before_start(checkpoint_dir: str, run_id: str, run_dir: str) -> None:
+    """Before a start writes anything (the worker, the local launcher, the node command): RunHeldError when
+    another live job holds the run, CheckpointError when `holders/` is no real directory of the checkpoint
+    directory; other storage trouble is left to the worker's registration, which decides."""
+    try:
+        RunHold(checkpoint_dir, run_id, run_dir).check()
+    except (RunHeldError, CheckpointError):
+        raise
+    except Exception:  # noqa: BLE001 - storage trouble: the hold taken at registration decides
+        pass

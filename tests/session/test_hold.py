@@ -1,4 +1,4 @@
-"""The run's hold (elastic/hold.py): a live job keeps it against any other run id, the same job's regroup
+"""The run's hold (session/hold.py): a live job keeps it against any other run id, the same job's regroup
 takes it over, a holder that is provably gone (dead processes, a stale heartbeat elsewhere) does not."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.checkpoint.errors import CheckpointError
-from elastic_qa.elastic import hold
-from elastic_qa.elastic.hold import RunHeldError, RunHold
 from elastic_qa.liveness import this_process
+from elastic_qa.session import hold
+from elastic_qa.session.hold import RunHeldError, RunHold
 
 
 def record_of(run_id: str, processes: list[dict], since: float, heartbeat: float | None = None) -> dict:
