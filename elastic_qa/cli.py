@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import signal
 import sys
 import time
 from pathlib import Path
@@ -44,7 +42,7 @@ from elastic_qa.argtypes import whole_number
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.data.examples import DataError
-from elastic_qa.exits import EXIT_BAD_INPUT, UsageError
+from elastic_qa.exits import EXIT_BAD_INPUT, UsageError, quiet_when_stdout_closes, stdout_gone
 from elastic_qa.observe.log import configure_terminal_logging
 from elastic_qa.prep import Featurizer, prepare
 
@@ -179,7 +177,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     try:
         return handlers[args.ckpt_command](args.path)
     except OSError as err:  # unreadable directory, permissions: bad input, one line
-        if isinstance(err, BrokenPipeError) and _stdout_gone():  # `| head` was done: not the path's fault
+        if isinstance(err, BrokenPipeError) and stdout_gone():  # `| head` was done: not the path's fault
             raise
         raise UsageError(f"{args.path}: {err}") from None
 
@@ -268,32 +266,8 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Every command; one whose stdout's reader left early (`elastic-qa ckpt show RUN | head -1`) ends
-    quietly, as Unix tools do, with the status of a process that SIGPIPE ended (141)."""
-    try:
-        try:
-            return _command(sys.argv[1:] if argv is None else argv)
-        finally:  # output still buffered (and `--help`'s, on its way out as SystemExit) meets the pipe here
-            sys.stdout.flush()
-    except BrokenPipeError:
-        if not _stdout_gone():  # another pipe (a socket, a subprocess's): an error of its own
-            raise
-        # Nothing more reaches the reader; stdout on /dev/null keeps the interpreter's own flush at exit
-        # from saying so once more. SIGPIPE itself stays ignored: it would kill a command mid-write.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 128 + signal.SIGPIPE
-
-
-def _stdout_gone() -> bool:
-    """Whether stdout is a pipe whose reader has left, seen without writing to it."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
-    except (OSError, ValueError):  # no descriptor (a captured stdout): not a pipe
-        return False
+    """Every command; one whose stdout's reader left early ends quietly with 141 (exits.py)."""
+    return quiet_when_stdout_closes(lambda: _command(sys.argv[1:] if argv is None else argv))
 
 
 def _command(argv: list[str]) -> int:

@@ -22,11 +22,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from elastic_qa import debug
 from elastic_qa.checkpoint.store import CheckpointError
 from elastic_qa.config import Config
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.loader import StepBatch, build_train_loader
+from elastic_qa.debug import Faults
 from elastic_qa.dist import DistContext, forked_worker, unwrap
 from elastic_qa.elastic.control import (
     Agreement,
@@ -84,9 +84,9 @@ class Trainer:
         self.timer = StepTimer(self.device, cfg.log.breakdown_every, self.comm_timer)
         # Shared with the agent watchdog, which asks for a stop through it when the agent dies.
         stop = self.stop_request = stop_request or StopRequest()
-        self.session = CheckpointSession(
-            cfg, ctx, self.state, self.control_group, self.timer.add_stall, lambda: stop.requested
-        )
+        self.faults = Faults(cfg, ctx.rank)  # debug.*: none unless a test or a chaos run sets them
+        hooks = (self.faults, self.timer.add_stall, lambda: stop.requested)
+        self.session = CheckpointSession(cfg, ctx, self.state, self.control_group, *hooks)
         self.console = Console(cfg.log.console, self.state.end_step, enabled=ctx.is_main)
         self.ledger: SampleLedger | None = None
         tensorboard = "tensorboard" in cfg.log.tracker_names
@@ -248,10 +248,8 @@ class Trainer:
         self.timer.finish_step(self.ctx, self.control_group, self.log, console, self.control.carry)
         if not STARTUP.reported:  # warm: a fork of the agent's forkserver (launcher/warm_start.py)
             STARTUP.log_first_step(self.log, step, warm=forked_worker())
-        if debug.pauses(cfg):  # else after_step has nothing to do
-            debug.after_step(
-                cfg, self.ctx.rank, step, lambda: self.stop_request.requested, self.control.flush
-            )
+        if self.faults.pauses:  # else after_step has nothing to do
+            self.faults.after_step(step, lambda: self.stop_request.requested, self.control.flush)
 
     def _logs_line(self, step: int) -> bool:
         """Whether `step` gets a `step` line (log.every_steps, and the last step)."""

@@ -35,7 +35,7 @@ from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.config_changes import config_changes, data_refusal, refusal, suspicious_settings
 from elastic_qa.data.examples import DataError
-from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.exits import EXIT_BAD_INPUT, quiet_when_stdout_closes
 from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
 from elastic_qa.launcher.arguments import WORKER_MODULE, build_parser, run_dir_from_args
 from elastic_qa.launcher.processes import alive, python_env, tied_to_this_process
@@ -545,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         "stop": cmd_stop,
         "status": cmd_status,
     }[args.command]
-    try:
-        return handler(args)
+    try:  # `status | head -1`: quiet, 141 (exits.py)
+        return quiet_when_stdout_closes(lambda: handler(args))
     except KeyboardInterrupt:  # Ctrl-C before any agent started (checking inputs, building the cache)
         print("elastic-qa: interrupted before the job started; nothing was started", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -90,12 +90,23 @@ class Batcher:
             raise request.error
         return request.answers
 
-    def close(self) -> None:
-        """Answer what is waiting, then stop the model thread; later submits raise Stopped."""
+    def close(self, timeout: timedelta | None = None) -> bool:
+        """Answer what is waiting, then stop the model thread; later submits raise Stopped. Whether the
+        thread ended within `timeout` (None: as long as it takes): a model call that hangs is left to the
+        process's exit (the thread is a daemon) rather than holding the stop forever."""
         with self._lock:
             self._closed = True
-        self._queue.put(_STOP)  # after every waiting request: the model thread drains the queue first
-        self._thread.join()
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        try:  # after every waiting request: the model thread drains the queue first
+            self._queue.put(_STOP, timeout=left())
+        except queue.Full:  # the model thread takes nothing: it is stuck in a call
+            return False
+        self._thread.join(left())
+        return not self._thread.is_alive()
 
     def _take(self, request: _Request) -> bool:
         """Mark `request` started unless its client gave up on it."""

@@ -154,6 +154,12 @@ def main(argv: list[str]) -> int:
             f"elastic-qa serve: {cut} connections still open after {server.stop_bound} were cut",
             file=sys.stderr,
         )
+    if server.model_stuck:
+        print(
+            f"elastic-qa serve: the model call still running {server.settings.request_timeout} after the "
+            "stop was left behind",
+            file=sys.stderr,
+        )
     stats = server.batcher.stats
     print(f"elastic-qa serve: stopped ({stats.questions} questions in {stats.batches} batches)", flush=True)
     return EXIT_OK

@@ -69,6 +69,7 @@ class QAServer(ThreadingHTTPServer):
         self.batcher = batcher
         self.settings = settings
         self.stopping = threading.Event()
+        self.model_stuck = False  # set by stop(): the model thread outlived its bound
         # Readable once stop begins: wakes the connections waiting for a next request (_Reads).
         self.stop_signal, self._stop_write = os.pipe()
         self._slots = threading.BoundedSemaphore(settings.max_connections)
@@ -160,7 +161,9 @@ class QAServer(ThreadingHTTPServer):
         cut = self._join_connections(self.stop_bound if bound is None else bound)
         self._refused.put(None)
         self._refuser.join()
-        self.batcher.close()
+        # Every request is answered or given up by now; a model call that still runs past a request's whole
+        # timeout is stuck, and the process exits without it (said by the command).
+        self.model_stuck = not self.batcher.close(self.settings.request_timeout)
         os.close(self.stop_signal)
         os.close(self._stop_write)
         return cut

@@ -19,6 +19,7 @@ from elastic_qa.checkpoint.manager import Checkpointer, LoadedCheckpoint
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import Config
+from elastic_qa.debug import Faults
 from elastic_qa.dist import DistContext
 from elastic_qa.observe.log import get_logger
 from elastic_qa.session.context import SessionContext
@@ -34,7 +35,8 @@ __all__ = ["CheckpointSession", "FinalStateError"]
 class CheckpointSession:
     """Restore, register, whether a save is due, and the saves.
 
-    `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall);
+    `faults` are the debug settings' injections (debug.py: a checkpoint asked for at a step, a slow or full
+    disk); `on_stall(seconds)` hears how long each save blocked the training process (the step timer's stall);
     `stop_asked()` says a stop was asked (a signal, the watchdog): from then on no save waits long on the
     node-local copy's lock, nor does a stop or an emergency save.
     """
@@ -45,13 +47,16 @@ class CheckpointSession:
         ctx: DistContext,
         state: TrainState,
         control_group: ProcessGroup | None,
+        faults: Faults | None = None,
         on_stall: Callable[[float], None] | None = None,
         stop_asked: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.context = SessionContext.open(cfg, ctx, state, control_group, stop_asked)
+        faults = faults or Faults(cfg, ctx.rank)
+        self.context = SessionContext.open(cfg, ctx, state, control_group, faults.before_file, stop_asked)
         self.plan = RestorePlan(self.context)
         self.registrar = Registrar(self.context)
         self.saver = Saver(self.context, lambda: self.plan.resumed_step, on_stall, self.registrar.release)
+        self.saver.asked_by_faults = faults.save_due
         self.log = get_logger()
         # What the trainer asks of each part, by name.
         self.log_start = self.plan.log_start

@@ -19,7 +19,6 @@ from elastic_qa.checkpoint.manager import Checkpointer, Rejection
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.checkpoint.store import CheckpointError, CheckpointStore
 from elastic_qa.config import Config
-from elastic_qa.debug import storage_fault_hook
 from elastic_qa.dist import DistContext, all_gather_bytes
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
@@ -48,10 +47,12 @@ class SessionContext:
         ctx: DistContext,
         state: TrainState,
         control_group: ProcessGroup | None,
+        before_file: Callable[[str], None] = lambda name: None,
         stop_asked: Callable[[], bool] = lambda: False,
     ) -> SessionContext:
-        """The shared parts for this attempt; `stop_asked()` says a stop was asked (a signal, the
-        watchdog): from then on no save waits long on the node-local copy's lock."""
+        """The shared parts for this attempt; `before_file(name)` runs before each checkpoint file is
+        written (a fault injection hook); `stop_asked()` says a stop was asked (a signal, the watchdog):
+        from then on no save waits long on the node-local copy's lock."""
         store = open_store(cfg.checkpoint_dir)
         fence = Fence(store)
         holder: list[SessionContext] = []  # the lock's urgency reads the context built below
@@ -64,7 +65,7 @@ class SessionContext:
             cfg.checkpoint,
             store,
             may_commit=fence.check,
-            before_file=storage_fault_hook(cfg),
+            before_file=before_file,
             node_local=node_local,
         )
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"single-{uuid.uuid4().hex[:12]}"

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_qa import debug
 from elastic_qa.checkpoint.manager import Rejection
 from elastic_qa.checkpoint.payload import rng_state, versions
 from elastic_qa.checkpoint.policy import SaveSchedule
@@ -60,6 +59,7 @@ class Saver:
         self.on_stall: Callable[[float], None] = on_stall or (lambda seconds: None)
         self.on_done = on_done
         self.schedule = SaveSchedule(context.cfg.checkpoint)
+        self.asked_by_faults: Callable[[int], bool] = lambda step: False  # a chaos run's save at a step
         self._in_node_memory = -1  # the step an emergency save put in node memory
         # The outcome of the final save travels on a group whose timeout covers its retries.
         self.final_group = None
@@ -82,7 +82,7 @@ class Saver:
         ranks' agreed timed save, `new_best` an evaluation's new best at this step. The end step and an
         early stop are not: the final save commits them (save_final)."""
         state = self.c.state
-        due = asked or self.schedule.step_due(step) or debug.save_due(self.c.cfg, step)
+        due = asked or self.schedule.step_due(step) or self.asked_by_faults(step)
         if not (due or new_best) or step >= state.end_step or state.best.exhausted:
             return None
         return "best" if new_best else "periodic"

@@ -116,3 +116,26 @@ def test_a_compile_cache_the_workers_could_not_use_is_refused_before_any_agent(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("elastic-qa: train.compile_cache_dir: ") and "a-file" in line, line
     assert not (run_dir / "launch.json").exists()
+
+
+def test_status_whose_stdout_reader_left_ends_quietly_with_the_status_sigpipe_gives(tmp_path: Path) -> None:
+    """`launch/local.sh status --run-dir DIR | head -1`: the reader here closes before reading a byte, so
+    every line meets a broken pipe: exit 141 as a Unix tool, no traceback."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from elastic_qa.launcher.processes import python_env
+
+    agents = [{"index": i, "pid": os.getpid(), "is_host": i == 0} for i in range(2000)]  # > a pipe buffer
+    (tmp_path / "launch.json").write_text(json.dumps({"agents": agents}))
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "wb") as stdout:
+        result = subprocess.run(
+            [sys.executable, "-m", "elastic_qa.launcher.local", "status", "--run-dir", str(tmp_path)],
+            stdout=stdout, stderr=subprocess.PIPE, text=True, env=python_env(), timeout=120,
+        )  # fmt: skip
+    assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, "")

@@ -4,12 +4,13 @@ late request is given up, a failing batch fails its requests only, close answers
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
 import pytest
 
-from elastic_qa.serve.batcher import Batcher, Busy, Pair, Stopped, TimedOut
+from elastic_qa.serve.batcher import _STOP, Batcher, Busy, Pair, Stopped, TimedOut
 
 LONG = timedelta(seconds=120)  # a wait that only a broken batcher would reach
 
@@ -155,3 +156,29 @@ def test_close_answers_what_is_waiting_then_refuses() -> None:
     assert sorted(results.values()) == [["q0:x"], ["q1:x"], ["q2:x"]]  # type: ignore[type-var]
     with pytest.raises(Stopped):
         batcher.submit([("after", "x")], LONG)
+
+
+@pytest.mark.parametrize("queue_size", [1, 8], ids=["queue full", "queue with room"])
+def test_close_with_a_bound_leaves_a_model_call_that_hangs_behind(queue_size: int) -> None:
+    """A model call that never returns holds neither the stop (the bound) nor a full queue (the stop
+    marker's put is bounded too); the caller is told the thread did not end."""
+    model = Model(held=True)
+    batcher = Batcher(model, max_batch=1, max_wait=timedelta(0), queue_size=queue_size)
+    results: dict[str, object] = {}
+    threads = [submit_in_thread(batcher, [("stuck", "x")], results, "stuck")]
+    model.entered.wait()
+    if queue_size == 1:
+        threads.append(submit_in_thread(batcher, [("waiting", "x")], results, "waiting"))
+        while batcher._queue.qsize() < 1:
+            threading.Event().wait(0.01)
+    started = time.monotonic()
+    assert batcher.close(timedelta(seconds=0.2)) is False
+    assert time.monotonic() - started < LONG.total_seconds()  # bounded: a hang would reach pytest's end
+    model.go.set()  # the call returns at last: the thread answers what waited
+    if queue_size == 1:  # the stop marker found no room: this test hands it over to end the thread
+        batcher._queue.put(_STOP)
+    batcher._thread.join(LONG.total_seconds())
+    assert not batcher._thread.is_alive()
+    for thread in threads:
+        thread.join()
+    assert results["stuck"] == ["stuck:x"]

@@ -12,7 +12,6 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ from elastic_qa.bench.serve import QUESTIONS, WAIT_S, ServerProcess, start_serve
 from tests.conftest import REPO
 
 LOOPBACK = "127.0.0.1"
-
-
-@pytest.fixture(scope="module")
-def server(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """`elastic-qa serve` on the tiny trained run, with the default flags; no traceback after its clients."""
-    process = start_server(str(trained), [], tmp_path_factory.mktemp("serve") / "stderr", cwd=REPO)
-    yield process
-    assert process.stop() == 0
-    assert "Traceback" not in process.stderr_path.read_text()
 
 
 def port(server: ServerProcess) -> int:

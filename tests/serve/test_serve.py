@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,6 @@ from tests.browser import Browser, browser_missing
 from tests.conftest import REPO
 
 SCORE_TOLERANCE = 1e-4  # a batch pads windows to its longest: scores may differ in their last digits
-
-
-@pytest.fixture(scope="module")
-def server(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """`elastic-qa serve` on the tiny trained run, with batching (the default); no traceback on its stderr."""
-    process = start_server(str(trained), [], tmp_path_factory.mktemp("serve") / "stderr", cwd=REPO)
-    yield process
-    assert process.stop() == 0
-    assert "Traceback" not in process.stderr_path.read_text()
 
 
 def ask_json(trained: Path, question: dict[str, str], capsys: pytest.CaptureFixture, *flags: str) -> Any:
