@@ -17,8 +17,10 @@
                                       again on resume (observe/trackers; absent without trackers),
                    "unwritten_lines": [{figure: value}, ...]: the `step` lines still waiting for their
                                       loss sums when the checkpoint was taken (an emergency save after a
-                                      peer died), with the saving rank's share; the resumed group writes
-                                      them (loop/step_log.py; absent when none were waiting),
+                                      peer died), with the saving rank's share, and those written from
+                                      the last sums (rank 0 may have died before writing its own); the
+                                      resumed group writes those rank 0 did not (loop/step_log.py; absent
+                                      when there are none),
                    "loss_invariant": {"identity", "frozen": [names]}: the freeze probe's answer, which a
                                      restart of the same model takes instead of probing again
                                      (loop/freeze.py; absent without train.freeze_loss_invariant)}
@@ -66,9 +68,11 @@ LINE_FIELDS = {
     "ts": float,
     "world_size": int,
     "rank": int,
-    "loss_sum": float,  # this rank's share of the global batch: its loss sum and samples
-    "samples": float,
+    "loss_sum": float,  # this rank's share of the global batch: its loss sum and samples (the whole
+    "samples": float,  # batch's for a line already written: `written`)
 }
+# And "written" (a bool, False when absent): a line this rank wrote from the last sums that arrived, which
+# rank 0, dead before writing its own, may not have written.
 
 
 class ResumeError(RuntimeError):
@@ -220,7 +224,13 @@ def unwritten_lines(saved: Any, where: str) -> list[dict[str, Any]]:
     """trainer.pt's unwritten_lines, each with every figure of LINE_FIELDS in its type; ResumeError when it
     is not that."""
     try:
-        return [{key: kind(line[key]) for key, kind in LINE_FIELDS.items()} for line in saved]
+        return [
+            {
+                **{key: kind(line[key]) for key, kind in LINE_FIELDS.items()},
+                "written": line.get("written") is True,
+            }
+            for line in saved
+        ]
     except (TypeError, ValueError, KeyError, OverflowError):
         raise ResumeError(f"checkpoint {where}: unwritten_lines is not a list of step lines") from None
 

@@ -17,6 +17,7 @@ evaluation with the best tracker in loop/.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -93,7 +94,7 @@ class Trainer:
         self.scalars = TensorBoardScalars(cfg.run.dir, ctx.rank) if tensorboard else None
         check_installed(cfg)  # on every rank: any of them may be rank 0 after a regroup
         self.trackers: Trackers | None = None  # started once the run is registered
-        self.step_log = StepLog(ctx, self.console, self.scalars)
+        self.step_log = StepLog(ctx, self.console, self.scalars, lambda: self.control.agreements)
         self.state.unwritten_lines = self.step_log.unwritten  # an emergency save carries them
         parts = (self.control_group, self.family, data, self.state, self.autocast_dtype, self.console)
         self.scoring = Scoring(cfg, ctx, *parts, self.scalars)
@@ -129,7 +130,8 @@ class Trainer:
         if self.trackers:
             self.state.tracker_backlog = self.trackers.backlog
         # The lines its attempt could not write (the group failed while their sums were on the way).
-        self.step_log.recover(self.state.recovered_lines, self.state.saved_attempt, self.trackers)
+        logs = Path(self.cfg.run.dir) / "logs"
+        self.step_log.recover(self.state.recovered_lines, self.state.saved_attempt, self.trackers, logs)
         self.state.recovered_lines = []
         if self.cfg.debug.sample_ledger:
             self.ledger = SampleLedger(self.cfg.run.dir, attempt, self.ctx.rank, self.ctx.world_size)

@@ -214,8 +214,10 @@ def test_the_grad_scalers_loss_scale_and_growth_count_come_back_on_resume() -> N
 def test_a_checkpoints_unwritten_step_lines_come_back_typed_and_a_malformed_list_is_refused() -> None:
     line = {"step": 7, "epoch": 0, "lr": 1e-3, "grad_norm": 0.5, "samples_per_s": 99.0, "cursor": 112,
             "ts": 1.5, "world_size": 2, "rank": 1, "loss_sum": 12.0, "samples": 8}  # fmt: skip
-    [back] = unwritten_lines([line], "ckpt")
-    assert back == line and isinstance(back["samples"], float)
+    [back] = unwritten_lines([line], "ckpt")  # a line from before `written` existed: not written
+    assert back == {**line, "written": False} and isinstance(back["samples"], float)
+    assert unwritten_lines([{**line, "written": True}], "ckpt")[0]["written"] is True
+    assert unwritten_lines([{**line, "written": "yes"}], "ckpt")[0]["written"] is False  # only True is
     for broken in ([{**line, "step": "seven"}], [{k: v for k, v in line.items() if k != "ts"}], 3):
         with pytest.raises(ResumeError, match="checkpoint ckpt: unwritten_lines"):
             unwritten_lines(broken, "ckpt")

@@ -133,6 +133,7 @@ class ControlPlane:
         self.next_control = 1
         self._carried: list[Carried] = []  # to travel on the next agreement
         self._arrived: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []  # summed, not delivered
+        self.agreements = 0  # how many sums have arrived (agreements and flushes): which one a delivery is of
 
     def begin(self, step: int) -> None:
         """The loop starts at `step`: the first agreement runs there (a resume starts past step 1)."""
@@ -207,6 +208,7 @@ class ControlPlane:
         self.deliver()
 
     def _arrive(self, sums: torch.Tensor, carried: list[Carried]) -> None:
+        self.agreements += 1
         offset = 0
         for values, deliver in carried:
             self._arrived.append((sums[offset : offset + values.numel()], deliver))

@@ -61,7 +61,9 @@ def test_a_killed_worker_leaves_every_committed_step_once_in_the_step_lines_and_
     recovered = [e for e in lines if e.get("recovered")]
     assert recovered and recovered[-1]["step"] == emergency
     assert {(e["attempt"], e["world_size"]) for e in recovered} == {(1, 2)}
-    assert all(e["loss_ranks"] == [1 - killed_rank] for e in recovered)
+    # A line still waiting for its sums has the survivor's share of the loss; one the survivor had written
+    # from the last sums (rank 0 killed before writing its own) the whole batch's.
+    assert all(e.get("loss_ranks", [1 - killed_rank]) == [1 - killed_rank] for e in recovered)
 
     (run,) = mlflow_runs(db)
     for metric in ("loss", "lr", "world_size"):
