@@ -611,7 +611,7 @@ class DebugConfig:
     """While this file exists, log writes fail with ENOSPC (the chaos `log-full` fault)."""
     hold_dir: str = ""
     """Step holds (chaos runs): after step N, wait while `hold-N` here has no `release-N`; save at each
-    `save-N` (holds.py)."""
+    `save-N` (step_holds.py)."""
     hold_timeout: timedelta = timedelta(minutes=10)
     """The longest one step hold waits for its release before training goes on (with a warning)."""
 

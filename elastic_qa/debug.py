@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_qa import holds
+from elastic_qa import step_holds as holds
 from elastic_qa.config import Config
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
@@ -48,7 +48,7 @@ class Faults:
     ) -> None:
         """After each step: SIGKILL at `debug.kill_at_step` (once per run, however often the step is
         replayed: a marker file under the run directory remembers), then `debug.step_delay` and the step
-        holds of `debug.hold_dir` (holds.py; `stop_requested` ends a hold early).
+        holds of `debug.hold_dir` (step_holds.py; `stop_requested` ends a hold early).
 
         Before a delay or a hold, `flush` writes the step lines carried so far (a collective: the config is
         the same on every rank), so that a test waiting for step N's line sees it while step N holds. Not
@@ -68,5 +68,5 @@ class Faults:
         holds.hold_after_step(cfg, step, stop_requested)
 
     def save_due(self, step: int) -> bool:
-        """A checkpoint asked for at this step by a chaos run (holds.py; never outside one)."""
+        """A checkpoint asked for at this step by a chaos run (step_holds.py; never outside one)."""
         return holds.save_due(self.cfg, step)

@@ -24,8 +24,8 @@ from elastic_qa.chaos.evidence import final_parameters, parameter_difference
 from elastic_qa.compile import compile_cache_dir, private_directory
 from elastic_qa.config import ConfigError, load_config, packaged_config
 from elastic_qa.exits import EXIT_BAD_INPUT
-from elastic_qa.holds import arm, release
 from elastic_qa.observe.follow import read_events
+from elastic_qa.step_holds import arm, release
 from tests.conftest import tiny_overrides
 
 STEPS = 40

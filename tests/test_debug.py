@@ -38,8 +38,8 @@ def test_a_kill_a_delay_or_a_hold_makes_the_loop_call_in_after_each_step(setting
 
 def test_only_the_fault_injection_module_reads_the_fault_settings_in_the_training_path() -> None:
     """The loop, the session and the checkpoints see `Faults`, never cfg.debug's fault fields (chaos, which
-    sets them, and holds.py, the step holds `Faults` calls, may read them)."""
-    allowed = {"debug.py", "holds.py", "config.py"}
+    sets them, and step_holds.py, the step holds `Faults` calls, may read them)."""
+    allowed = {"debug.py", "step_holds.py", "config.py"}
     readers = [
         f"{path.relative_to(REPO)}:{number}"
         for path in (REPO / "elastic_qa").rglob("*.py")

@@ -17,9 +17,9 @@ import pytest
 from torch.distributed import TCPStore
 
 from elastic_qa.chaos.job import Job
-from elastic_qa.holds import arm
 from elastic_qa.launcher.loopback import LoopbackTCPStore
 from elastic_qa.launcher.processes import children
+from elastic_qa.step_holds import arm
 from tests.conftest import tiny_overrides
 
 LOOPBACK = {"127.0.0.1", "::1"}

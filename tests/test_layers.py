@@ -26,8 +26,8 @@ from tests.conftest import REPO
 LAYERS = {
     "elastic_qa": 0, "config": 0, "config_changes": 0, "run_qa_recipe": 0, "exits": 0, "network": 0,
     "liveness": 0, "run_length": 0, "argtypes": 0,
-    "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1, "holds": 1,
-    "compile": 1,
+    "dist": 1, "data": 1, "models": 1, "observe": 1, "checkpoint": 1, "metrics": 1, "debug": 1,
+    "step_holds": 1, "compile": 1,
     "prep": 1,
     "train_state": 2, "optim": 2, "evaluation": 2, "export": 2, "output_paths": 2, "report": 2,
     "elastic": 3, "loop": 3, "session": 3,

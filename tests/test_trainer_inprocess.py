@@ -17,7 +17,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elastic_qa import holds
+from elastic_qa import step_holds as holds
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.store import step_dir_name
 from elastic_qa.dist import DistContext
@@ -75,7 +75,7 @@ def committed(trainer: Trainer) -> list[int]:
 
 
 def signal_when_held(run_dir: Path, step: int, signum: int) -> threading.Thread:
-    """Send this process `signum` once its trainer logs that it holds after `step` (holds.py)."""
+    """Send this process `signum` once its trainer logs that it holds after `step` (step_holds.py)."""
 
     def watch() -> None:
         deadline = time.monotonic() + 120

@@ -1,20 +1,19 @@
 """The fault runner: start a job through the project's own launcher, inject a schedule of faults, verify.
 
 Each fault is injected once its trigger (a step, or a time since the start) has passed *and* the job has
-completed at least one step since the previous fault, so faults hit a training group rather than piling
-onto a regroup in progress, and every recovery can be attributed to the fault that caused it. A fault
-triggered at step N does not race the job: the job is held after step N (elastic_qa/holds.py, armed before
-it starts) until the fault has fired, so however slow the machine (a recovery of a minute, say) the job
-can neither run past N nor end first. The hold is released once the fault is delivered (a kill sent, a
-flag created); for `join-node` once the joining agent is admitted (a newer group has started: the held
-workers' agents stop them to regroup, which a hold never delays); for `kill-during-save`, which hits the
-job's next save (asked for at N+1), by the injector once it has its target. A fault whose target is
-momentarily absent (no worker during a regroup, no checkpoint yet) releases the hold, since the job may
-have to move on to make one, and is retried every 0.2 s until it lands or the job ends. After a fault that
-restarts the group the runner waits for the new group to train; after `log-full` for the end of its window
-(log lines written meanwhile are lost, and the verifier must not need them to attribute a restart). A
-second job is waited for until it is refused (the live job holds its run) or registers (a failure), and
-judged by its exit and its own lines.
+completed at least one step since the previous fault, so faults hit a training group rather than piling onto a
+regroup in progress, and every recovery can be attributed to the fault that caused it. A fault triggered at
+step N does not race the job: the job is held after step N (elastic_qa/step_holds.py, armed before it starts)
+until the fault has fired, so however slow the machine (a recovery of a minute, say) the job can neither run
+past N nor end first. The hold is released once the fault is delivered (a kill sent, a flag created); for
+`join-node` once the joining agent is admitted (a newer group has started: the held workers' agents stop them
+to regroup, which a hold never delays); for `kill-during-save`, which hits the job's next save (asked for at
+N+1), by the injector once it has its target. A fault whose target is momentarily absent (no worker during a
+regroup, no checkpoint yet) releases the hold, since the job may have to move on to make one, and is retried
+every 0.2 s until it lands or the job ends. After a fault that restarts the group the runner waits for the new
+group to train; after `log-full` for the end of its window (log lines written meanwhile are lost, and the
+verifier must not need them to attribute a restart). A second job is waited for until it is refused (the live
+job holds its run) or registers (a failure), and judged by its exit and its own lines.
 
 Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout: an injection has `fault`
 (kind, spec, target, step at injection, wall time); what happens later (a flag removed, a worker thawed,
@@ -38,7 +37,7 @@ from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault, ordered, restarts_group
 from elastic_qa.config import Config, resolve_config
-from elastic_qa.holds import arm, release, release_all
+from elastic_qa.step_holds import arm, release, release_all
 
 # Forced on every chaos run: the evidence the verifier reads.
 EVIDENCE = ("debug.sample_ledger=true", "log.every_steps=1")

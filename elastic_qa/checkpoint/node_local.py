@@ -55,7 +55,8 @@ from elastic_qa.observe.log import get_logger
 
 ROOT_ENV = "ELASTIC_QA_NODE_LOCAL_DIR"  # the default root when checkpoint.node_local_dir is empty
 DEFAULT_ROOT = "/dev/shm/elastic_qa"
-# A writer holds the lock while it writes one copy to node memory: about 5 s for BERT-base's 1.3 GB here.
+# A writer holds the lock while it writes one copy to node memory: seconds for a base-size model
+# (docs/benchmarks.md, "Emergency save and restart").
 # A holder past a minute is stuck (say a stopped process of an older job): the copy goes off instead.
 LOCK_WAIT_S = 60.0
 # Once a stop or an emergency save is under way: torchrun's SIGKILL follows its SIGTERM after 30 s, and

@@ -27,12 +27,12 @@ from elastic_qa.chaos.evidence import (
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.judge import steps_lost
 from elastic_qa.dist import usable_cores
-from elastic_qa.holds import arm, release
 from elastic_qa.launcher.local import COLD_WORKERS_ENV
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
 from elastic_qa.prep import prepare
+from elastic_qa.step_holds import arm, release
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def run_job(run_dir: Path, cache: Path, *extra: str, agents: int = 2, **kwargs) 
 
 def held_at(run_dir: Path, step: int) -> tuple[str, Path]:
     """(the override, the hold directory) that hold the job after `step` until `release(dir, step)`
-    (elastic_qa/holds.py): what a test does there cannot race the job, however slow the machine."""
+    (elastic_qa/step_holds.py): what a test does there cannot race the job, however slow the machine."""
     hold_dir = run_dir.parent / f"{run_dir.name}-holds"
     arm(hold_dir, [step])
     return f"debug.hold_dir={hold_dir}", hold_dir

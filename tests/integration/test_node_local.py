@@ -14,8 +14,8 @@ import pytest
 
 from elastic_qa.chaos.evidence import run_config
 from elastic_qa.checkpoint.node_local import NodeLocalCopy
-from elastic_qa.holds import release
 from elastic_qa.observe.follow import read_events
+from elastic_qa.step_holds import release
 from tests.integration import test_elastic as elastic
 
 pytestmark = pytest.mark.integration

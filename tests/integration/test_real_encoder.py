@@ -23,9 +23,9 @@ import torch
 
 from elastic_qa.chaos.job import Job
 from elastic_qa.config import resolve_config
-from elastic_qa.holds import arm, release
 from elastic_qa.models import family_for
 from elastic_qa.prep import prepare
+from elastic_qa.step_holds import arm, release
 from tests.integration.test_elastic import assert_nothing_lost, checked_final_parameters, finish, world_sizes
 
 ENCODER = os.environ.get("EQA_REAL_ENCODER", "")

@@ -2,8 +2,8 @@
 size 2, then a worker killed with SIGKILL (shown as killed by SIGKILL, as its agent logged it) and the
 regroup that follows, then the finished run.
 
-The job is held after steps 5 and 10 (elastic_qa/holds.py), so what the page must show cannot race the job:
-while held at 5 it shows step 5; the kill lands while the job is held at 10.
+The job is held after steps 5 and 10 (elastic_qa/step_holds.py), so what the page must show cannot race
+the job: while held at 5 it shows step 5; the kill lands while the job is held at 10.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.chaos.job import Job
-from elastic_qa.holds import arm, release
+from elastic_qa.step_holds import arm, release
 from tests.browser import Browser, browser_missing
 from tests.report.served import dashboard, screenshot_path
 

@@ -1,4 +1,4 @@
-"""Step holds (elastic_qa/holds.py): the job waits after step N until whoever drives it releases N."""
+"""Step holds (elastic_qa/step_holds.py): the job waits after step N until whoever drives it releases N."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa import holds
+from elastic_qa import step_holds as holds
 from elastic_qa.config import Config
 
 WAIT_S = 60  # generous: these threads only wait on each other's events
