@@ -84,19 +84,10 @@ def test_a_launcher_start_whose_holders_directory_links_elsewhere_is_refused_bef
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "holders").symlink_to(elsewhere)
     before = snapshot(elsewhere)
-    command = [
-        sys.executable,
-        "-m",
-        "elastic_qa.launcher.local",
-        "start",
-        "--agents",
-        "1",
-        "--config",
-        "tiny",
-    ]
+    start = [sys.executable, "-m", "elastic_qa.launcher.local", "start", "--agents", "1", "--config", "tiny"]
     overrides = [f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", "train.max_steps=8", "log.console=none"]
     result = subprocess.run(
-        [*command, *overrides], capture_output=True, text=True, env=python_env(), timeout=300
+        [*start, *overrides], capture_output=True, text=True, env=python_env(), timeout=300
     )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()

@@ -179,18 +179,9 @@ def test_launcher_start_refuses_a_run_a_live_job_holds_before_starting_any_agent
 ) -> None:
     run_dir = tmp_path / "run"
     plant(run_dir / "checkpoints", record_of("eqa-live", [this_process().to_dict()], since=time.time()))
-    command = [
-        sys.executable,
-        "-m",
-        "elastic_qa.launcher.local",
-        "start",
-        "--agents",
-        "1",
-        "--config",
-        "tiny",
-    ]
+    start = [sys.executable, "-m", "elastic_qa.launcher.local", "start", "--agents", "1", "--config", "tiny"]
     overrides = [f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", "log.console=none"]
-    result = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*start, *overrides], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert "is held by a live job: run eqa-live" in result.stderr and "Traceback" not in result.stderr
     assert not (run_dir / "launch.json").exists() and not (run_dir / "agents").exists()
