@@ -116,7 +116,9 @@ class StepLog:
         only where rank 0's log in `logs` does not hold it. Every rank gives the trackers the waiting ones'
         records (rank 0 sends them, the others keep them for an emergency save of their own,
         observe/trackers); the written ones' are in the trackers' backlog already."""
-        logged = _steps_logged_by_rank_0(logs, attempt) if self.ctx.is_main and logs is not None else set()
+        logged: set[int] = set()  # read only when some line may be in rank 0's log already
+        if self.ctx.is_main and logs is not None and any(line.get("written") for line in lines):
+            logged = _steps_logged_by_rank_0(logs, attempt)
         for line in lines:
             written = line.get("written", False)
             known = line["samples"] > 0
