@@ -46,7 +46,15 @@ from typing import Any
 
 from elastic_qa.chaos.evidence import Copy
 from elastic_qa.checkpoint.policy import retained_steps
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import (
+    CheckpointCommittedRecord,
+    CheckpointPrunedRecord,
+    Event,
+    LogLinesDroppedRecord,
+    ResumeRecord,
+    TrainDoneRecord,
+    records,
+)
 
 SLACK_S = 0.5
 
@@ -69,11 +77,11 @@ def done_claims(
     main_attempts = {
         e["attempt"] for e in events if e.get("pid") not in second_pids and e.get("attempt") is not None
     }
-    for event in events:
-        if event.get("event") == Event.TRAIN_DONE and event.get("rank", 0) == 0 and "attempt" in event:
-            job = "second job" if event.get("pid") in second_pids else "main job"
-            who = f"{job} attempt {event['attempt']} (train_done)"
-            claims.append(Claim(who, {event["attempt"]}, event["ts"]))
+    for done in records(events, TrainDoneRecord):
+        if done.get("rank", 0) == 0 and "attempt" in done:
+            job = "second job" if done.get("pid") in second_pids else "main job"
+            who = f"{job} attempt {done['attempt']} (train_done)"
+            claims.append(Claim(who, {done["attempt"]}, done["ts"]))
     for action in actions:
         if action.get("exit_code") != 0:
             continue
@@ -92,9 +100,8 @@ def check_claims(
 ) -> list[str]:
     """(1) for every done claim."""
     final = next((c for c in copies if c.step == max_steps and not c.quarantined), None)
-    resumed_at_end = {
-        e.get("attempt") for e in events if e.get("event") == Event.RESUME and e.get("step") == max_steps
-    }
+    resumed_at_end = {e.get("attempt") for e in records(events, ResumeRecord) if e["step"] == max_steps}
+    commits = records(events, CheckpointCommittedRecord)
     problems = []
     for claim in claims:
         if final is None or not final.ok:
@@ -106,11 +113,8 @@ def check_claims(
         if written_before and own:
             continue
         committed_own = any(
-            e.get("event") == Event.CHECKPOINT_COMMITTED
-            and e.get("step") == max_steps
-            and e.get("attempt") in claim.attempts
-            and e["ts"] <= claim.ts
-            for e in events
+            e["step"] == max_steps and e.get("attempt") in claim.attempts and e["ts"] <= claim.ts
+            for e in commits
         ) or any(
             c.quarantined
             and c.step == max_steps
@@ -153,12 +157,10 @@ def check_fencing(
                 f"{copy.created_ts - since:.2f}s after a newer attempt registered: a stale writer committed"
             )
     late: Counter[tuple[int, int | None]] = Counter()  # (attempt, pid)
-    for event in events:
-        if event.get("event") != Event.CHECKPOINT_COMMITTED:
-            continue
-        since = superseded_at(event.get("attempt"))
-        if since is not None and event["ts"] > since + SLACK_S:
-            late[(event["attempt"], event.get("pid"))] += 1  # an attempt: superseded_at found it newer
+    for commit in records(events, CheckpointCommittedRecord):
+        since = superseded_at(commit.get("attempt"))
+        if since is not None and commit["ts"] > since + SLACK_S:
+            late[(commit["attempt"], commit.get("pid"))] += 1  # an attempt: superseded_at found it newer
     for (attempt, pid), count in sorted(late.items()):
         if count > 1:
             problems.append(
@@ -178,11 +180,7 @@ def check_fencing(
 
 def blind_windows(events: list[dict[str, Any]], actions: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """When log lines may be missing: each writer's `log_lines_dropped` gap, and each log-full window."""
-    windows = [
-        (float(e["since_ts"]), e["ts"])
-        for e in events
-        if e.get("event") == Event.LOG_LINES_DROPPED and isinstance(e.get("since_ts"), int | float)
-    ]
+    windows = [(float(e["since_ts"]), e["ts"]) for e in records(events, LogLinesDroppedRecord)]
     opened = {}
     for action in actions:
         if "log-fault" not in str(action.get("flag")):
@@ -210,9 +208,8 @@ def check_nothing_lost(
     at the end, unless a `checkpoint_pruned` line explains it, or log lines were being dropped (`blind`)
     after its commit: then the lines that would explain it may be gone, and it is not counted."""
     timeline: list[tuple[float, int, int]] = []  # (when, 0 commit / 1 quarantine, step)
-    for event in events:
-        if event.get("event") == Event.CHECKPOINT_COMMITTED and "step" in event:
-            timeline.append((event["ts"], 0, int(event["step"])))
+    for commit in records(events, CheckpointCommittedRecord):
+        timeline.append((commit["ts"], 0, commit["step"]))
     for copy in copies:
         if copy.created_ts is not None:
             timeline.append((copy.created_ts, 0, copy.step))
@@ -230,9 +227,7 @@ def check_nothing_lost(
         retained = retained_steps(sorted(candidates), keep_last, keep_every_steps)
         kept = {s for s in candidates if s in retained or s >= step}
     in_place = {copy.step for copy in copies if not copy.quarantined}
-    pruned = {
-        (e["step"], e["ts"]) for e in events if e.get("event") == Event.CHECKPOINT_PRUNED and "step" in e
-    }
+    pruned = {(e["step"], e["ts"]) for e in records(events, CheckpointPrunedRecord)}
     missing = []
     for step in sorted(kept - in_place):
         since = last_commit.get(step, 0.0)

@@ -8,7 +8,14 @@ from typing import Any
 
 from elastic_qa.chaos.evidence import Copy, attempts
 from elastic_qa.chaos.schedule import ZERO_LOSS, restarts_group
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import (
+    CheckpointCommittedRecord,
+    CheckpointFailedRecord,
+    Event,
+    ResumeRecord,
+    TrainDoneRecord,
+    records,
+)
 
 # Faults that must not restart the group: any restart after them is a failure for these; for the others
 # only one that lost steps is (a restart that lost nothing may be another fault's late regroup).
@@ -34,7 +41,7 @@ def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
     """Steps resumed from while their checkpoint was the copy a fault corrupted (no newer commit of the
     same step in between: a replayed run may legitimately commit that step again)."""
     bad = []
-    for resume in (e for e in events if e.get("event") == Event.RESUME and e.get("rank") == 0):
+    for resume in (e for e in records(events, ResumeRecord) if e.get("rank") == 0):
         step, at = resume["step"], resume["ts"]
         corrupted_at = max((ts for s, ts in corruptions(faults) if s == step and ts < at), default=None)
         if corrupted_at is None:
@@ -45,8 +52,8 @@ def resumed_from_corrupted(events: list[dict], faults: list[dict]) -> list[int]:
     return bad
 
 
-def _committed(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == Event.CHECKPOINT_COMMITTED]
+def _committed(events: list[dict]) -> list[CheckpointCommittedRecord]:
+    return records(events, CheckpointCommittedRecord)
 
 
 def reached_before(runs: list[dict], new: dict) -> int:
@@ -175,14 +182,15 @@ def _registered_at(fault: dict, ev: Evidence) -> float:
 
 def _finished_before(fault: dict, ev: Evidence) -> bool:
     registered = _registered_at(fault, ev)
-    return any(
-        e["ts"] < registered
-        and (
-            e.get("event") == Event.TRAIN_DONE
-            or (e.get("event") == Event.CHECKPOINT_COMMITTED and e.get("step") == ev.max_steps)
-        )
-        for e in ev.events
-    )
+    return any(e["ts"] < registered for e in _ends(ev))
+
+
+def _ends(ev: Evidence) -> list[TrainDoneRecord | CheckpointCommittedRecord]:
+    """The main job's train_done lines and its commits of the final step."""
+    return [
+        *records(ev.events, TrainDoneRecord),
+        *(e for e in _committed(ev.events) if ev.max_steps and e["step"] == ev.max_steps),
+    ]
 
 
 def _ended_before_admission(fault: dict, runs: list[dict], ev: Evidence) -> float | None:
@@ -190,13 +198,7 @@ def _ended_before_admission(fault: dict, runs: list[dict], ev: Evidence) -> floa
     fault, else None."""
     if any(a["start"] > fault["ts"] for a in runs):
         return None
-    ends = [
-        e["ts"]
-        for e in ev.events
-        if e.get("event") == Event.TRAIN_DONE
-        or (e.get("event") == Event.CHECKPOINT_COMMITTED and ev.max_steps and e.get("step") == ev.max_steps)
-    ]
-    return min(ends, default=None)
+    return min((e["ts"] for e in _ends(ev)), default=None)
 
 
 def _judge_restart(row: dict, fault: dict, runs: list[dict], claimed: set[int], ev: Evidence) -> None:
@@ -280,9 +282,8 @@ def _judge_corrupt_replay(row: dict, fault: dict, new: dict, ev: Evidence) -> No
     in_place = next((c for c in ev.copies if c.step == step and not c.quarantined), None)
     recommits = [
         e
-        for e in ev.all_events
-        if e.get("event") == Event.CHECKPOINT_COMMITTED
-        and e.get("step") == step
+        for e in _committed(ev.all_events)
+        if e["step"] == step
         and e["ts"] > fault["ts"]
         and (e.get("attempt") or 0) > (fault.get("copy_attempt") or 0)
     ]
@@ -355,10 +356,8 @@ def _judge_no_restart_kind(row: dict, fault: dict, runs: list[dict], ev: Evidenc
         final = next((c for c in ev.copies if c.step == ev.max_steps and not c.quarantined), None)
         failed = [
             e
-            for e in ev.events
-            if e.get("event") == Event.CHECKPOINT_FAILED
-            and e.get("step") == ev.max_steps
-            and e["ts"] >= fault["ts"]
+            for e in records(ev.events, CheckpointFailedRecord)
+            if e["step"] == ev.max_steps and e["ts"] >= fault["ts"]
         ]
         if final is None or not final.ok:
             row.update(verdict="FAIL", note=f"no verifying final checkpoint at step {ev.max_steps}")

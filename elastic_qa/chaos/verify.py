@@ -67,7 +67,7 @@ from elastic_qa.chaos.judge import (
 )
 from elastic_qa.config import Config
 from elastic_qa.models import family_for
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import TrainDoneRecord, records
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
 from elastic_qa.prep import prepare
@@ -146,8 +146,8 @@ def _reference_comparison(
     if cfg.train.max_steps <= SHORT_RUN_STEPS:
         detail["rule"] = "relative parameter difference < 1e-4"
         return diff["relative"] < 1e-4, detail
-    done = [e for e in events if e.get("event") == Event.TRAIN_DONE and "em" in e]
-    ref_done = [e for e in read_events(reference_dir) if e.get("event") == Event.TRAIN_DONE and "em" in e]
+    done = [e for e in records(events, TrainDoneRecord) if "em" in e]
+    ref_done = [e for e in records(read_events(reference_dir), TrainDoneRecord) if "em" in e]
     if not done or not ref_done:
         return False, {**detail, "error": "final evaluation missing"}
     a, b = done[-1], ref_done[-1]
@@ -168,8 +168,7 @@ def _reference_comparison(
 
 def _completed(cfg: Config, events: list[dict], actions: list[dict], copies: list[Copy]) -> tuple[bool, str]:
     max_steps = cfg.train.max_steps
-    done = [e for e in events if e.get("event") == Event.TRAIN_DONE]
-    final_step = max((e["step"] for e in done), default=0)
+    final_step = max((e["step"] for e in records(events, TrainDoneRecord)), default=0)
     exits = [a["exit_code"] for a in actions if a.get("action") == "job_exit"]
     code = exits[-1] if exits else None
     detail = f"train_done at step {final_step} of {max_steps}" + ("" if code is None else f", exit {code}")

@@ -21,9 +21,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_qa.observe.events import Event
+
+if TYPE_CHECKING:  # a type only: structlog is not imported here for it
+    from elastic_qa.observe.log import EventLog
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -95,7 +98,7 @@ class StopRequest:
     def requested(self) -> bool:
         return self._requested
 
-    def notice(self, log: Any) -> bool:
+    def notice(self, log: EventLog) -> bool:
         """Whether a stop was requested; logs `stop_requested` the first time it is seen."""
         if self._requested and not self._noticed:
             self._noticed = True

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from elastic_qa.observe.events import Event
 
 if TYPE_CHECKING:  # the console reads the breakdown's figures: a type only here
     from elastic_qa.observe.console import Console
+    from elastic_qa.observe.log import EventLog
 
 # Sums the ranks' values (ControlPlane.carry): `carry(values, deliver)` calls `deliver(sums)` later.
 Carry = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
@@ -100,7 +101,7 @@ class StepTimer:
         self,
         ctx: DistContext,
         group: ProcessGroup | None,
-        log: Any,
+        log: EventLog,
         console: Console | None,
         carry: Carry | None = None,
     ) -> None:
@@ -149,7 +150,7 @@ class StepTimer:
         ctx: DistContext,
         group: ProcessGroup | None,
         figures: dict[str, float],
-        log: Any,
+        log: EventLog,
         console: Console | None,
         carry: Carry | None,
     ) -> None:
@@ -171,7 +172,7 @@ class StepTimer:
         self._diagnose(ctx, step, rows, log, console)
 
     def _diagnose(
-        self, ctx: DistContext, step: int, rows: list[torch.Tensor], log: Any, console: Console | None
+        self, ctx: DistContext, step: int, rows: list[torch.Tensor], log: EventLog, console: Console | None
     ) -> None:
         """Rank 0 names what bounds the run from every rank's (step_s, data_s, comm_s, busy_s) at `step`."""
         if not ctx.is_main:

@@ -8,16 +8,28 @@ is one that some writer writes, and that every writer of an event passes the fie
 readers use. `conforms` tells a record whose fields have the types the readers expect from one written by
 something else (a hand-edited or hostile line): readers that must not break on one use it.
 
+Each event that readers read fields of has a TypedDict record (`StepRecord`, `ResumeRecord` ...): its
+`event` Literal names the Event, its required keys are the fields every writer passes and its NotRequired
+ones those some reader reads when present. `FIELDS` (required fields), `TYPES` (every field) and the
+dashboard's checks (report/live_rows.py) derive from them. `record(row, StepRecord)` reads a row as one
+(None for another event, a missing required field or a field of another type); `records` filters a list.
+
 Every line also carries what observe/log.py adds to all of them (`COMMON`): ts, rank, local_rank,
 world_size, node, pid, attempt (a worker's lines), or ts (and node) for the launcher's and a node's.
 """
 
-from __future__ import annotations
-
 import math
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from enum import Enum
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+
+# No `from __future__ import annotations` here: a TypedDict reads NotRequired only from evaluated annotations.
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # Python 3.10's TypedDict knows no NotRequired
+    from typing_extensions import NotRequired, TypedDict
 
 
 class Event(str, Enum):
@@ -56,6 +68,17 @@ class Event(str, Enum):
     AGENT_LOST = "agent_lost"
     DEBUG_KILL = "debug_kill"
     LOG_LINES_DROPPED = "log_lines_dropped"
+    # a worker of a replica group (replica/worker.py)
+    QUORUM = "quorum"
+    HEAL = "heal"
+    STEP_NOT_COMMITTED = "step_not_committed"
+    QUORUM_BEHIND = "quorum_behind"
+    TRAIN_DONE_ELSEWHERE = "train_done_elsewhere"
+    # the replica-group launcher (agents/replicas.jsonl; replica/launch.py)
+    LIGHTHOUSE_STARTED = "lighthouse_started"
+    LIGHTHOUSE_EXIT = "lighthouse_exit"
+    GROUP_STARTED = "group_started"
+    GROUP_EXIT = "group_exit"
     # the local launcher (agents/launch.jsonl)
     JOB_START = "job_start"
     AGENT_STARTED = "agent_started"
@@ -67,37 +90,174 @@ class Event(str, Enum):
     JOB_END = "job_end"
 
 
-# Fields added to every line of a worker by observe/log.py (the launcher's lines carry ts).
-COMMON: Mapping[str, type | tuple[type, ...]] = {
-    "ts": (int, float),
-    "rank": int,
-    "local_rank": int,
-    "world_size": int,
-    "node": str,
-    "pid": int,
-    "attempt": int,
-}
-_NUMBER = (int, float)
-_TIMES = ("ts", "since_ts")
+class Common(TypedDict, total=False):
+    """What observe/log.py adds to every line of a worker (`COMMON`); the launcher's lines carry ts."""
 
+    ts: float
+    rank: int
+    local_rank: int
+    world_size: int
+    node: str
+    pid: int
+    attempt: int
+
+
+# One record per event that a reader reads fields of: its name (the `event` Literal), the fields every
+# writer passes (required: `FIELDS`) and the optional ones some reader reads (NotRequired), with their types.
+# A float field accepts an int (JSON writes 2.0 as 2.0, but a hand-written line may say 2).
+class WorkerStartRecord(Common):
+    event: Literal[Event.WORKER_START]
+    backend: str
+    device: NotRequired[str]
+
+
+class TrainStartRecord(Common):
+    event: Literal[Event.TRAIN_START]
+    step: int
+    max_steps: int
+
+
+class ResumeRecord(Common):
+    event: Literal[Event.RESUME]
+    step: int
+    saved_world_size: NotRequired[int | None]  # None: the manifest did not say
+
+
+class StepRecord(Common):
+    event: Literal[Event.STEP]
+    step: int
+    loss: float  # NaN when no sample of the step is known (a recovered line)
+    lr: float
+    samples_per_s: float
+    rank_loss: NotRequired[float]
+    grad_norm: NotRequired[float]
+    recovered: NotRequired[bool]
+
+
+class EvalRecord(Common):
+    event: Literal[Event.EVAL]
+    step: int
+    em: NotRequired[float]
+    f1: NotRequired[float]
+    loss: NotRequired[float]
+
+
+class TrainDoneRecord(Common):
+    event: Literal[Event.TRAIN_DONE]
+    step: int
+    em: NotRequired[float]  # the final scores, when the run evaluates
+    f1: NotRequired[float]
+    eval_loss: NotRequired[float]
+
+
+class CheckpointCommittedRecord(Common):
+    event: Literal[Event.CHECKPOINT_COMMITTED]
+    step: int
+    reason: NotRequired[str]
+
+
+class CheckpointFailedRecord(Common):
+    event: Literal[Event.CHECKPOINT_FAILED]
+    step: int
+    error: NotRequired[str]
+
+
+class CheckpointPrunedRecord(Common):
+    event: Literal[Event.CHECKPOINT_PRUNED]
+    step: int
+
+
+class EmergencyCheckpointRecord(Common):
+    event: Literal[Event.EMERGENCY_CHECKPOINT]
+    step: int
+
+
+class StoppingRecord(Common):
+    event: Literal[Event.STOPPING]
+    step: int
+
+
+class WorkerCrashRecord(Common):
+    event: Literal[Event.WORKER_CRASH]
+    error: str
+
+
+class BadInputRecord(Common):
+    event: Literal[Event.BAD_INPUT]
+    error: str
+
+
+class LogLinesDroppedRecord(Common):
+    event: Literal[Event.LOG_LINES_DROPPED]
+    since_ts: float
+
+
+class AgentStartedRecord(Common):
+    event: Literal[Event.AGENT_STARTED]
+    agent: int
+    is_host: NotRequired[bool]
+
+
+class AgentExitRecord(Common):
+    event: Literal[Event.AGENT_EXIT]
+    agent: int
+    code: NotRequired[int]
+
+
+class JobEndRecord(Common):
+    event: Literal[Event.JOB_END]
+    exit_codes: NotRequired[dict[str, int]]
+
+
+RECORDS: tuple[type[Any], ...] = (
+    WorkerStartRecord, TrainStartRecord, ResumeRecord, StepRecord, EvalRecord, TrainDoneRecord,
+    CheckpointCommittedRecord, CheckpointFailedRecord, CheckpointPrunedRecord, EmergencyCheckpointRecord,
+    StoppingRecord, WorkerCrashRecord, BadInputRecord, LogLinesDroppedRecord, AgentStartedRecord,
+    AgentExitRecord, JobEndRecord,
+)  # fmt: skip
+
+Kind = type | tuple[type, ...]
+
+
+def runtime_type(annotation: Any) -> Kind:
+    """What isinstance checks a field's value against: float takes an int too, `X | None` takes None,
+    `dict[str, int]` is a dict (its items are the reader's)."""
+    if annotation is float:
+        return (int, float)
+    if isinstance(annotation, type) and not get_args(annotation):
+        return annotation
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, UnionType):
+        kinds: list[type] = []
+        for arg in args:
+            kind = runtime_type(arg)
+            kinds += kind if isinstance(kind, tuple) else [kind]
+        return tuple(kinds)
+    origin = get_origin(annotation)
+    if isinstance(origin, type):
+        return origin
+    raise TypeError(f"no runtime type for {annotation!r}")
+
+
+def _event(kind: type[Any]) -> Event:
+    (name,) = get_args(get_type_hints(kind)["event"])
+    return Event(name)
+
+
+def _types(kind: type[Any]) -> dict[str, Kind]:
+    return {name: runtime_type(hint) for name, hint in get_type_hints(kind).items() if name != "event"}
+
+
+# Fields added to every line of a worker by observe/log.py (the launcher's lines carry ts).
+COMMON: Mapping[str, Kind] = _types(Common)
+_TIMES = ("ts", "since_ts")
+EVENT_OF_RECORD: Mapping[type[Any], Event] = {kind: _event(kind) for kind in RECORDS}
+# Every field of an event that a reader reads, with its type (COMMON's included).
+TYPES: Mapping[Event, Mapping[str, Kind]] = {_event(kind): _types(kind) for kind in RECORDS}
 # The fields some reader of the event relies on, beyond COMMON, with their types: every writer passes them.
-FIELDS: Mapping[Event, Mapping[str, type | tuple[type, ...]]] = {
-    Event.WORKER_START: {"backend": str},
-    Event.TRAIN_START: {"step": int, "max_steps": int},
-    Event.RESUME: {"step": int},
-    Event.STEP: {"step": int, "loss": _NUMBER, "lr": _NUMBER, "samples_per_s": _NUMBER},
-    Event.EVAL: {"step": int},
-    Event.CHECKPOINT_COMMITTED: {"step": int},
-    Event.CHECKPOINT_FAILED: {"step": int},
-    Event.CHECKPOINT_PRUNED: {"step": int},
-    Event.EMERGENCY_CHECKPOINT: {"step": int},
-    Event.STOPPING: {"step": int},
-    Event.TRAIN_DONE: {"step": int},
-    Event.WORKER_CRASH: {"error": str},
-    Event.BAD_INPUT: {"error": str},
-    Event.LOG_LINES_DROPPED: {"since_ts": _NUMBER},
-    Event.AGENT_EXIT: {"agent": int},
-    Event.AGENT_STARTED: {"agent": int},
+FIELDS: Mapping[Event, Mapping[str, Kind]] = {
+    _event(kind): {name: kind_ for name, kind_ in _types(kind).items() if name in kind.__required_keys__}
+    for kind in RECORDS
 }
 
 
@@ -114,13 +274,34 @@ def conforms(row: Mapping[str, Any]) -> bool:
     """Whether every field of COMMON and of the event's FIELDS that `row` has is of the expected type (bool
     is no number here, and a time is finite; a loss may be NaN). Missing fields are the reader's to handle."""
     event = event_of(row)
-    expected = {**COMMON, **(FIELDS.get(event, {}) if event is not None else {})}
+    expected = TYPES.get(event, COMMON) if event is not None else COMMON
     for name, kind in expected.items():
         if name not in row:
             continue
         value = row[name]
-        if isinstance(value, bool) or not isinstance(value, kind):
+        if not isinstance(value, kind) or (isinstance(value, bool) and not _takes_bool(kind)):
             return False
         if name in _TIMES and not math.isfinite(row[name]):
             return False
     return True
+
+
+def _takes_bool(kind: Kind) -> bool:
+    return bool in (kind if isinstance(kind, tuple) else (kind,))
+
+
+R = TypeVar("R")
+
+
+def record(row: Mapping[str, Any], kind: type[R]) -> R | None:
+    """`row` as the typed record `kind` (one of RECORDS), or None: another event, a required field missing,
+    or a field of another type (`conforms`). Optional fields may still be missing: read them with .get()."""
+    event = EVENT_OF_RECORD[kind]
+    if row.get("event") != event or not all(name in row for name in FIELDS[event]) or not conforms(row):
+        return None
+    return cast(R, row)
+
+
+def records(rows: Iterable[Mapping[str, Any]], kind: type[R]) -> list[R]:
+    """Every row of `rows` that is a `kind` record, in order (see `record`)."""
+    return [rec for row in rows if (rec := record(row, kind)) is not None]

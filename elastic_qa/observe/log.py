@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO, cast
+from typing import Any, BinaryIO, Protocol, TextIO, cast
 
 import structlog
 from structlog.typing import EventDict
@@ -277,5 +277,21 @@ def update_identity(**fields: Any) -> None:
     _STATIC.update(fields)
 
 
-def get_logger() -> Any:
-    return structlog.get_logger()
+class EventLog(Protocol):
+    """What the product calls on a logger: one JSON line per call, `event` (an Event or a plain name) and
+    its fields. structlog's bound logger is one; a test may pass its own."""
+
+    def debug(self, event: str, /, **fields: Any) -> Any: ...
+
+    def info(self, event: str, /, **fields: Any) -> Any: ...
+
+    def warning(self, event: str, /, **fields: Any) -> Any: ...
+
+    def error(self, event: str, /, **fields: Any) -> Any: ...
+
+    def exception(self, event: str, /, **fields: Any) -> Any: ...
+
+
+def get_logger() -> EventLog:
+    logger: EventLog = structlog.get_logger()
+    return logger

@@ -31,9 +31,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_qa.observe.events import Event
+
+if TYPE_CHECKING:  # a type only: structlog is not imported here for it
+    from elastic_qa.observe.log import EventLog
 
 
 def process_birth() -> float | None:
@@ -82,7 +85,7 @@ class StartupClock:
         fields["total_s"] = round(sum(self.phases.values()), 4)
         return fields
 
-    def log_first_step(self, log: Any, step: int, warm: bool) -> None:
+    def log_first_step(self, log: EventLog, step: int, warm: bool) -> None:
         """The `startup` event, once, after the process's first step: its phases, which restart of the
         job's workers this is (torchrun's count) and whether it is `warm` (a fork with its imports done)."""
         self.mark("first_step")

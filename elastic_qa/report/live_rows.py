@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from elastic_qa.observe.events import COMMON, TYPES, Kind
+
 TEXT_CAP = 1000  # characters kept of a text field (the page shows 300 of an error)
 BIGGEST = 2**53  # counts above this are not exact as floats, which the charts draw them as
 LATEST_TS = 1e11  # seconds since 1970: the year 5138
@@ -66,18 +68,38 @@ def _codes(value: Any) -> dict[str, int]:
 
 
 Schema = dict[str, Callable[[Any], Any]]
-LOG_FIELDS: Schema = {
-    "event": _text, "ts": _time, "time": _text, "node": _text, "error": _text, "reason": _text,
-    "rank": _count, "attempt": _count, "world_size": _count, "pid": _count, "step": _count,
-    "max_steps": _count, "saved_world_size": _count,
-    "loss": _number, "rank_loss": _number, "lr": _number, "grad_norm": _number, "samples_per_s": _number,
-    "em": _number, "f1": _number, "eval_loss": _number,
+_BY_KIND: dict[Kind, Callable[[Any], Any]] = {int: _count, (int, float): _number, str: _text, bool: _flag}
+_NOT_BY_KIND: Schema = {
+    "event": _text, "time": _text,  # the name, and structlog's ISO time: every line's, no record's field
+    "ts": _time, "code": _integer, "exit_codes": _codes,  # a time; an exit code (negative: a signal)
 }  # fmt: skip
+
+
+def _kind(name: str) -> Kind:
+    """The one type observe/events.py gives the field `name` (None, which counts as absent, left out)."""
+    kinds = {kind for fields in (COMMON, *TYPES.values()) if (kind := fields.get(name)) is not None}
+    if len(kinds) != 1:
+        raise TypeError(f"observe/events.py gives {name!r} {len(kinds)} types")
+    (kind,) = kinds
+    if isinstance(kind, tuple) and type(None) in kind:
+        rest = tuple(k for k in kind if k is not type(None))
+        kind = rest[0] if len(rest) == 1 else rest
+    return kind
+
+
+def _schema(*names: str) -> Schema:
+    """A check per field: its type from observe/events.py's records, its range by that type (an int is a
+    count here), and the fields named in _NOT_BY_KIND checked as they say."""
+    return {name: _NOT_BY_KIND.get(name) or _BY_KIND[_kind(name)] for name in names}
+
+
+LOG_FIELDS: Schema = _schema(
+    "event", "ts", "time", "node", "error", "reason",
+    "rank", "attempt", "world_size", "pid", "step", "max_steps", "saved_world_size",
+    "loss", "rank_loss", "lr", "grad_norm", "samples_per_s", "em", "f1", "eval_loss",
+)  # fmt: skip
 FAULT_FIELDS: Schema = {"fault": _text, "target": _text, "step": _count, "ts": _time, "skipped": _text}
-LAUNCHER_FIELDS: Schema = {
-    "event": _text, "ts": _time, "agent": _count, "pid": _count, "is_host": _flag, "code": _integer,
-    "exit_codes": _codes,
-}  # fmt: skip
+LAUNCHER_FIELDS: Schema = _schema("event", "ts", "agent", "pid", "is_host", "code", "exit_codes")
 
 
 def checked(row: dict[str, Any], schema: Schema, required: tuple[str, ...]) -> dict[str, Any] | None:

@@ -12,7 +12,14 @@ from typing import Any
 
 import yaml
 
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import (
+    CheckpointCommittedRecord,
+    EvalRecord,
+    Event,
+    TrainDoneRecord,
+    TrainStartRecord,
+    records,
+)
 
 # The last words an attempt can leave, most telling first; none of them means it was killed outright.
 _ENDINGS = {
@@ -151,12 +158,12 @@ def run_summary(events: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
     runs = attempts(events, t0)
     steps = [r for r in events if r.get("event") == Event.STEP]
     done = [r for r in events if r.get("event") == Event.TRAIN_DONE]
-    evals = [r for r in events if r.get("event") == Event.EVAL and "em" in r]
-    commits = [r for r in events if r.get("event") == Event.CHECKPOINT_COMMITTED]
+    evals = [r for r in records(events, EvalRecord) if "em" in r]
+    commits = records(events, CheckpointCommittedRecord)
     max_steps = _section(config, "train").get("max_steps") or next(
-        (r["max_steps"] for r in events if r.get("event") == Event.TRAIN_START and "max_steps" in r), None
+        (r["max_steps"] for r in records(events, TrainStartRecord)), None
     )
-    final = next((r for r in reversed(done) if "em" in r), None)
+    final = next((r for r in reversed(records(done, TrainDoneRecord)) if "em" in r), None)
     result = None
     if final is not None:
         result = {"em": final["em"], "f1": final["f1"], "loss": final.get("eval_loss"), "step": final["step"]}
@@ -182,7 +189,7 @@ def run_summary(events: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
         "restarts": max(len(runs) - 1, 0),
         "idle_s": sum(b - a for a, b in gaps),
         "checkpoints": len(commits),
-        "last_checkpoint": max((r["step"] for r in commits if isinstance(r.get("step"), int)), default=None),
+        "last_checkpoint": max((r["step"] for r in commits), default=None),
         "samples_per_s": statistics.median(throughput) if throughput else None,
         "config": key_config(config),
     }

@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -50,6 +50,9 @@ from fsspec.implementations.local import LocalFileSystem
 from elastic_qa.checkpoint.confined import HOLDERS_DIR, confined
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.liveness import Holder, Verdict, judge_all, this_process, torchrun_agent_pid
+
+if TYPE_CHECKING:  # a type only: structlog is not imported here for it
+    from elastic_qa.observe.log import EventLog
 
 HEARTBEAT_S = 10.0
 STALE_S = 120.0  # no heartbeat for this long: a holder on another host is taken for gone
@@ -220,7 +223,7 @@ class RunHold:
             raise RunHeldError(refusal(self.url, *held))
 
     # ---- holding ------------------------------------------------------------------------------------
-    def acquire(self, processes: Iterable[dict[str, Any]], log: Any = None) -> HoldRecord:
+    def acquire(self, processes: Iterable[dict[str, Any]], log: EventLog | None = None) -> HoldRecord:
         """Take the hold for this job (rank 0, before it registers an attempt), or raise RunHeldError."""
         now = time.time()
         self._confined()
@@ -263,7 +266,7 @@ class RunHold:
             self.mine.heartbeat = time.time()
             self._write(self.mine)
 
-    def start_heartbeat(self, log: Any = None) -> None:
+    def start_heartbeat(self, log: EventLog | None = None) -> None:
         """Refresh the heartbeat every HEARTBEAT_S from a daemon thread; a failing write is logged once
         and retried at the next beat, never raised into training."""
 

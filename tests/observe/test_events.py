@@ -5,11 +5,32 @@ from __future__ import annotations
 
 import ast
 import json
+import typing
 from pathlib import Path
 
 import pytest
 
-from elastic_qa.observe.events import COMMON, FIELDS, Event, conforms, event_of
+from elastic_qa.observe.events import (
+    COMMON,
+    EVENT_OF_RECORD,
+    FIELDS,
+    RECORDS,
+    TYPES,
+    AgentExitRecord,
+    AgentStartedRecord,
+    CheckpointCommittedRecord,
+    EvalRecord,
+    Event,
+    JobEndRecord,
+    LogLinesDroppedRecord,
+    ResumeRecord,
+    StepRecord,
+    TrainDoneRecord,
+    conforms,
+    event_of,
+    record,
+    records,
+)
 from tests.conftest import REPO
 
 LEVELS = {"info", "warning", "error", "debug", "exception", "critical"}
@@ -34,6 +55,8 @@ def written(node: ast.AST) -> tuple[ast.expr, ast.Call | None] | None:
             return node.args[0], node
         if isinstance(func, ast.Name) and func.id == "log_action" and len(node.args) > 1:
             return node.args[1], node
+        if isinstance(func, ast.Attribute) and func.attr == "record" and node.args:  # replica/launch.py
+            return node.args[0], node
     if isinstance(node, ast.Dict):
         for key, value in zip(node.keys, node.values, strict=True):
             if isinstance(key, ast.Constant) and key.value == "event":
@@ -139,3 +162,103 @@ def test_the_records_writers_write_conform() -> None:
     assert conforms({"event": "step", "step": 5, "loss": float("nan"), "lr": 1e-4, "ts": 1.5, "rank": 0})
     assert conforms({"event": "unknown_one", "whatever": [1]})
     assert conforms({"event": "train_done", "step": 3, "em": 1.0})
+
+
+def test_every_record_names_one_event_and_fields_derive_from_the_records() -> None:
+    """One record per event; FIELDS (what every writer passes) is each record's required keys with their
+    types, and TYPES every key's: nothing is listed twice."""
+    named = [EVENT_OF_RECORD[kind] for kind in RECORDS]
+    assert all(isinstance(event, Event) for event in named) and len(set(named)) == len(RECORDS)
+    assert set(FIELDS) == set(TYPES) == set(named)
+    for kind in RECORDS:
+        event = EVENT_OF_RECORD[kind]
+        assert typing.get_type_hints(kind)["event"] == typing.Literal[event]
+        assert set(FIELDS[event]) == kind.__required_keys__ - {"event"}
+        assert set(TYPES[event]) == set(typing.get_type_hints(kind)) - {"event"}
+        assert set(COMMON) <= kind.__optional_keys__  # the launcher's lines carry none of a worker's
+    assert FIELDS[Event.STEP] == {
+        "step": int,
+        "loss": (int, float),
+        "lr": (int, float),
+        "samples_per_s": (int, float),
+    }
+    assert "grad_norm" in TYPES[Event.STEP] and "grad_norm" not in FIELDS[Event.STEP]
+    assert TYPES[Event.RESUME]["saved_world_size"] == (int, type(None))
+
+
+STEP = {"event": "step", "step": 5, "loss": 0.5, "lr": 1e-4, "samples_per_s": 10, "ts": 1.5, "rank": 0}
+
+
+def test_record_reads_a_row_as_its_event_record_or_refuses_it() -> None:
+    assert record(STEP, StepRecord) == STEP
+    assert record({**STEP, "loss": float("nan"), "recovered": True}, StepRecord) is not None
+    assert record(STEP, EvalRecord) is None  # another event
+    assert record({k: v for k, v in STEP.items() if k != "lr"}, StepRecord) is None  # a required field
+    assert record({"event": "eval", "step": 5}, EvalRecord) is not None  # the scores are optional
+    assert records([STEP, {"event": "eval", "step": 5}, {**STEP, "step": 6}], StepRecord) == [
+        STEP,
+        {**STEP, "step": 6},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("row", "kind"),
+    [
+        ({**STEP, "step": "5"}, StepRecord),
+        ({**STEP, "lr": None}, StepRecord),
+        ({**STEP, "grad_norm": "0.1"}, StepRecord),  # an optional field of the wrong type
+        ({**STEP, "rank": [0]}, StepRecord),  # a field of COMMON
+        ({**STEP, "ts": float("inf")}, StepRecord),
+        ({**STEP, "recovered": 1}, StepRecord),
+        ({"event": "eval", "step": 5, "em": True}, EvalRecord),  # bool is no number
+        ({"event": "resume", "step": 5, "saved_world_size": "2"}, ResumeRecord),
+        ({"event": "agent_exit", "agent": 0, "code": 1.5}, AgentExitRecord),
+        ({"event": "job_end", "exit_codes": [0]}, JobEndRecord),
+        ({"event": "log_lines_dropped", "since_ts": float("nan")}, LogLinesDroppedRecord),
+    ],
+)
+def test_record_refuses_a_row_with_a_field_of_another_type(row: dict, kind: type) -> None:
+    assert record(row, kind) is None
+
+
+def test_the_lines_producers_write_parse_as_their_records(tmp_path: Path) -> None:
+    """Lines written by the real writers: a worker's through observe/log.py (as step_log, scoring, the
+    trainer, the checkpoint manager and restore call it, and its own `log_lines_dropped` line), and the
+    local launcher's agents/launch.jsonl through log_action."""
+    import structlog
+
+    from elastic_qa.launcher.local import log_action
+    from elastic_qa.observe import log as log_module
+
+    try:
+        path = log_module.configure_logging(tmp_path / "logs", attempt=3)
+        log = log_module.get_logger()
+        log.info(Event.STEP, step=1, epoch=0, loss=0.5, rank_loss=0.6, lr=1e-4, grad_norm=1.25,
+                 samples_per_s=12.5, world_size=1, cursor=8, ts=12.0)  # fmt: skip
+        log.info(Event.EVAL, step=1, em=0.5, f1=0.75, loss=1.5, questions=4, seconds=0.1)
+        log.info(Event.RESUME, step=1, path="x", node_local=False, saved_world_size=None, world_size=1,
+                 epoch=0, cursor=8)  # fmt: skip
+        log.info(Event.CHECKPOINT_COMMITTED, step=1, path="x", reason="periodic", attempt=3, seconds=0.1,
+                 blocking_seconds=0.01, bytes=10)  # fmt: skip
+        log.info(Event.TRAIN_DONE, step=1, tokens_seen=64, em=0.5, f1=0.75, eval_loss=1.5)
+        with open(tmp_path / "dropped.jsonl", "ab", buffering=0) as stream:
+            sink = log_module._JsonLinesFile(stream, echo=False)
+            sink._gap, sink._gap_since, sink.dropped = 2, 10.5, 2
+            dropped = json.loads(sink._dropped_line())
+    finally:
+        structlog.reset_defaults()
+        log_module._STATIC.clear()
+    assert path is not None
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [StepRecord, EvalRecord, ResumeRecord, CheckpointCommittedRecord, TrainDoneRecord]
+    parsed = [record(line, kind) for line, kind in zip(lines, kinds, strict=True)]
+    assert all(rec is not None for rec in parsed), lines
+    step = parsed[0]
+    assert isinstance(step, dict) and (step["attempt"], step["rank"], step["grad_norm"]) == (3, 0, 1.25)
+    assert record(dropped, LogLinesDroppedRecord) is not None
+    log_action(tmp_path, Event.AGENT_STARTED, agent=0, pid=11, is_host=True, log="agent-0.log")
+    log_action(tmp_path, Event.AGENT_EXIT, agent=0, pid=11, code=-9)
+    log_action(tmp_path, Event.JOB_END, exit_codes={"0": -9})
+    launcher = [json.loads(line) for line in (tmp_path / "agents" / "launch.jsonl").read_text().splitlines()]
+    kinds = [AgentStartedRecord, AgentExitRecord, JobEndRecord]
+    assert all(record(line, kind) is not None for line, kind in zip(launcher, kinds, strict=True)), launcher
