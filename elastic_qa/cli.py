@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("chaos", help="break a job on purpose (run), check nothing was lost (verify), schedule")
     sub.add_parser("serve", help="answer questions over HTTP: a JSON API and a page (docs/serve.md)")
     sub.add_parser("node", help="this host's part of a multi-node job (torchrun agent, store host, network)")
+    sub.add_parser("replicas", help="replica groups that keep training through a fault (torchft; optional)")
     p = sub.add_parser("report", help="render a run into one self-contained HTML page")
     p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -283,6 +284,10 @@ def _command(argv: list[str]) -> int:
         from elastic_qa.launcher.node import main as node_main
 
         return node_main(argv[1:])
+    if argv[:1] == ["replicas"]:  # likewise: its overrides and `--help` are its own
+        from elastic_qa.replica.launch import main as replicas_main
+
+        return replicas_main(argv[1:])
     if argv[:1] == ["serve"]:  # likewise: `elastic-qa serve --help`
         from elastic_qa.serve.cli import main as serve_main
 

@@ -522,6 +522,42 @@ class DistConfig:
 
 
 @dataclass
+class ReplicaConfig:
+    """The replica-group mode (`elastic-qa replicas`, docs/replica-groups.md): replica groups that keep
+    training while one of them restarts, their quorums formed through torchft's Lighthouse."""
+
+    groups: int = 2
+    """Replica groups the launcher starts on this host (each its own torchrun job)."""
+    nproc_per_group: int = 1
+    """Worker processes in each replica group (DDP inside the group)."""
+    min_replicas: int = 1
+    """The fewest replica groups a step commits with (1: a single survivor goes on)."""
+    heartbeat_timeout: timedelta = timedelta(seconds=1)
+    """A replica group whose heartbeat is this old is left out of the next quorum."""
+    join_timeout: timedelta = timedelta(milliseconds=500)
+    """How long a quorum waits for a live replica group that has not asked for it yet."""
+    quorum_timeout: timedelta = timedelta(seconds=30)
+    """A replica group behind the job that finds no peer to heal from within this long restarts."""
+    collective_timeout: timedelta = timedelta(seconds=10)
+    """The gradient all-reduce across replica groups, the commit vote and the heal transfer time out
+    after this long (a stalled peer costs at most this)."""
+    quorum_retries: int = 20
+    """Quorum requests retried while the Lighthouse is down (it is restarted at the same address)."""
+    lighthouse_port: int = 0
+    """The Lighthouse's port on the launcher's host (0: a free one, chosen once per job)."""
+
+    def __post_init__(self) -> None:
+        _require(self.groups >= 1, "groups", self.groups, "must be >= 1")
+        _require(self.nproc_per_group >= 1, "nproc_per_group", self.nproc_per_group, "must be >= 1")
+        _require(self.min_replicas >= 1, "min_replicas", self.min_replicas, "must be >= 1")
+        _require(self.quorum_retries >= 0, "quorum_retries", self.quorum_retries, "must be >= 0")
+        _require(0 <= self.lighthouse_port < 65536, "lighthouse_port", self.lighthouse_port, "is no port")
+        for name in ("heartbeat_timeout", "join_timeout", "quorum_timeout", "collective_timeout"):
+            value = getattr(self, name)
+            _require(value.total_seconds() > 0, name, format_duration(value), "must be > 0")
+
+
+@dataclass
 class MlflowConfig:
     tracking_uri: str = ""
     """Where MLflow keeps runs, e.g. sqlite:////abs/path/mlflow.db or http://host:5000 (empty: MLflow's own
@@ -629,6 +665,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 

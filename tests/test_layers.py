@@ -33,11 +33,12 @@ LAYERS = {
     "elastic": 3, "loop": 3, "session": 3,
     "trainer": 4,
     "train": 5, "cli": 5, "ckpt": 5, "bench": 5, "chaos": 5, "launcher": 5, "api": 5,
-    "serve": 5,
+    "serve": 5, "replica": 5,
 }  # fmt: skip
 # Among the entry points, who may use whom (a subprocess is not an import).
 ENTRY_USES = {
-    "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve"},
+    "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve", "replica"},
+    "replica": {"launcher"},  # the loopback stores and process helpers its launcher shares
     "bench": {"chaos", "launcher"},
     "chaos": {"launcher"},
     "launcher": {"train"},  # launcher/warm_start.py: the forkserver imports the worker for its forks
@@ -314,3 +315,25 @@ def test_the_training_loop_reads_in_one_sitting() -> None:
     lines, so that the whole of it is read at once."""
     lines = len((REPO / "elastic_qa" / "trainer.py").read_text().splitlines())
     assert lines <= 300, f"trainer.py has {lines} lines: move a part out (loop/, session/)"
+
+
+def test_torchft_is_imported_by_one_module_of_the_product() -> None:
+    """A young dependency behind one module (replica/ft.py), pinned there; the benchmark's torchft side runs
+    torchft's own recipe, the comparison it measures against, and imports it for that alone."""
+    allowed = {
+        "elastic_qa/replica/ft.py",
+        "elastic_qa/bench/torchft_side.py",
+        "elastic_qa/bench/goodput.py",  # whether the torchft side can run (the reason it is skipped)
+    }
+    found = set()
+    for path in (REPO / "elastic_qa").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(name.split(".")[0] == "torchft" for name in names):
+                found.add(str(path.relative_to(REPO)))
+    assert found <= allowed, sorted(found - allowed)
+    assert "elastic_qa/replica/ft.py" in found

@@ -32,6 +32,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/bench
     resume       process start to first trained step when resuming at 0%, 50%, 99% of an epoch
     recovery     kill to first step of the new group (worker kill, node loss) vs bare torchrun
     goodput      effective training time under a steady failure rate: product, bare torchrun, torchft
+    replicas     the replica-group mode under worker kills: survivors' next step, heal, rejoin; ledger
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
     probe        start-up cost of the loss-invariance probe (time, peak memory) for transformers models
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
@@ -56,6 +57,7 @@ BENCHMARKS = (
     "resume",
     "recovery",
     "goodput",
+    "replicas",
     "scaling",
     "probe",
     "drift",

@@ -1,0 +1,188 @@
+"""torchft, behind one module: the only place the product imports it (tests/test_layers.py says so).
+
+torchft is young (0.2.0 is what installs beside torch 2.13 and what this was written against): its Manager's
+arguments, its transport interface and its Lighthouse binary have changed between releases. Every use goes
+through the few functions here, which refuse any other version with one line, so an upgrade is one module
+to read again. What the product takes from it: the Lighthouse (which replica groups form the next quorum),
+the Manager (quorum per step, the cross-group all-reduce, the commit vote `should_commit`, which peer heals
+whom) and its reconfigurable gloo process group. What it does not take: torchft's HTTP heal transport, which
+unpickles a peer's bytes (`SafeTransport` below sends the product's own checksummed, `weights_only` payload
+instead: replica/heal.py), its data sampler (the product's global cursor splits each step's batch over the
+quorum instead: replica/shares.py) and its step counter as a fencing token (it lives in the Lighthouse's
+memory).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from elastic_qa.config import ConfigError, ReplicaConfig
+
+PINNED = "0.2.0"
+
+
+def require_torchft() -> None:
+    """ConfigError (exit 2) unless torchft PINNED is installed: the replica mode is an optional extra."""
+    try:
+        found = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"the replica-group mode needs torchft {PINNED}: pip install 'elastic-qa[torchft]'"
+        ) from None
+    if found != PINNED:
+        raise ConfigError(
+            f"the replica-group mode is written against torchft {PINNED}, and torchft {found} is installed: "
+            f"pip install 'torchft=={PINNED}'"
+        )
+
+
+def lighthouse_binary() -> str:
+    """torchft's `torchft_lighthouse` server, beside this interpreter (the extra installs it there)."""
+    return str(Path(sys.executable).parent / "torchft_lighthouse")
+
+
+def lighthouse_command(port: int, settings: ReplicaConfig, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a Lighthouse on `host:port` with the job's quorum settings."""
+    return [
+        lighthouse_binary(),
+        "--bind",
+        f"{host}:{port}",
+        "--min_replicas",
+        str(settings.min_replicas),
+        "--join_timeout_ms",
+        str(_ms(settings.join_timeout)),
+        "--quorum_tick_ms",
+        "50",
+        "--heartbeat_timeout_ms",
+        str(_ms(settings.heartbeat_timeout)),
+    ]
+
+
+def _ms(delta: timedelta) -> int:
+    return max(1, int(delta.total_seconds() * 1000))
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """What one step's quorum says about this replica group."""
+
+    participants: int  # replica groups taking part in this step
+    rank: int  # this group's place among them (0 .. participants - 1)
+    quorum_id: int
+
+
+class ReplicaManager:
+    """torchft's Manager for one worker of one replica group: the calls the replica loop makes per step.
+
+    `state` and `load_state` are the whole training state (the checkpoint's files), sent to a peer that
+    heals from this group and applied when this group heals; `transport` carries them (SafeTransport)."""
+
+    def __init__(
+        self,
+        settings: ReplicaConfig,
+        group: int,
+        lighthouse: str,
+        state: Callable[[], dict[str, Any]],
+        load_state: Callable[[dict[str, Any]], None],
+        transport: Any,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        store: tuple[str, int] | None = None,
+    ) -> None:
+        require_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        collective = settings.collective_timeout
+        self.pg = ProcessGroupGloo(timeout=collective)
+        host, port = store or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=load_state,
+            state_dict=state,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,  # a healed group trains in the step it healed in, with its share
+            timeout=collective,
+            quorum_timeout=settings.quorum_timeout,
+            connect_timeout=collective,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"group-{group}",
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=transport,
+            init_sync=False,  # every group builds the same weights from run.seed
+            quorum_retries=settings.quorum_retries,
+        )
+
+    def start_step(self) -> Quorum:
+        """Join the quorum for the next step (healing from a peer first when this group is behind)."""
+        self.manager.start_quorum()
+        participants = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        if rank is None:  # sync quorum: every member takes part, so this is torchft's bug, not a fault
+            raise RuntimeError("torchft left this replica group out of the quorum it joined")
+        return Quorum(participants, rank, int(self.manager._quorum_id))
+
+    def sum_across_groups(self, flat: Any) -> None:
+        """Sum `flat` over the quorum's groups in place (a failed peer is recorded, not raised: the vote
+        then says no)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+
+    def commit(self) -> bool:
+        """The commit vote: True only when every worker of every group of the quorum got through the step."""
+        return bool(self.manager.should_commit())
+
+    @property
+    def step(self) -> int:
+        return int(self.manager.current_step())
+
+    def errored(self) -> str | None:
+        error = self.manager.errored()
+        return (
+            None
+            if error is None
+            else f"{type(error.original_exception).__name__}: {error.original_exception}"
+        )
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def safe_transport(server: Any, fetch: Callable[[str, int, float], dict[str, Any]]) -> Any:
+    """A torchft CheckpointTransport that sends the product's payload through `server` (a HealServer:
+    offer / withdraw / address) and receives it with `fetch(url, step, timeout_s)`, which checks it and
+    loads it with weights_only=True: never torchft's own pickling transport."""
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    class SafeTransport(CheckpointTransport[dict[str, Any]]):
+        def metadata(self) -> str:
+            return str(server.address())
+
+        def send_checkpoint(
+            self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta
+        ) -> None:
+            server.offer(step, state_dict)
+
+        def disallow_checkpoint(self) -> None:
+            server.withdraw()
+
+        def recv_checkpoint(
+            self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        ) -> dict[str, Any]:
+            return fetch(metadata, step, timeout.total_seconds())
+
+        def shutdown(self, wait: bool = True) -> None:
+            server.close()
+
+    return SafeTransport()

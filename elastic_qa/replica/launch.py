@@ -1,0 +1,176 @@
+"""`elastic-qa replicas`: the replica-group mode on this host, a Lighthouse and one torchrun job per group.
+
+    elastic-qa replicas --config tiny run.dir=runs/replicas replica.groups=2 [key=value ...]
+
+Each replica group is a torchrun job of its own (one node, `replica.nproc_per_group` workers, DDP inside,
+torchrun's own restarts), so a fault restarts one group while the others keep training; the groups form a
+quorum per step through torchft's Lighthouse, which this launcher runs and supervises: a Lighthouse that
+exits is started again at the same address, and the groups retry their quorum requests meanwhile
+(`replica.quorum_retries`). The job's heal key (the secret a group proves it belongs to the job with when it
+asks a peer for the training state) is made here and given to every group in the environment.
+
+What the launcher writes, one JSON line each, to <run.dir>/agents/replicas.jsonl: `job_start` (groups,
+lighthouse), `lighthouse_started` (pid), `group_started` (group, pid), `group_exit` (group, code),
+`job_end` (exit_codes). It exits 0 when every group finished, 2 on bad input, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_qa.config import Config, ConfigError, config_help, resolve_config
+from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
+from elastic_qa.launcher import ON_LOOPBACK
+from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_process
+from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
+from elastic_qa.observe.events import Event
+from elastic_qa.replica.ft import lighthouse_command, require_torchft
+
+WORKER = "elastic_qa.replica.worker"
+KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
+LOOPBACK = "127.0.0.1"
+MAX_RESTARTS = 100  # a group's torchrun restarts its workers this often before it gives up
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+class ReplicaJob:
+    """The Lighthouse and the groups' torchrun jobs of one run, started and supervised from this process."""
+
+    def __init__(self, cfg: Config, config: str, overrides: list[str]) -> None:
+        self.cfg, self.config, self.overrides = cfg, config, overrides
+        self.run_dir = Path(cfg.run.dir)
+        self.port = cfg.replica.lighthouse_port or free_port()
+        self.lighthouse_address = f"http://{LOOPBACK}:{self.port}"
+        self.lighthouse: subprocess.Popen | None = None
+        self.groups: dict[int, subprocess.Popen] = {}
+        self.stopping = threading.Event()
+        self._records = self.run_dir / "agents" / "replicas.jsonl"
+        self._lock = threading.Lock()
+        self.env = python_env({**os.environ, KEY_ENV: os.environ.get(KEY_ENV) or secrets.token_hex(32)})
+        self.env.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+
+    def record(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, "ts": round(time.time(), 6), **fields})
+        with self._lock, open(self._records, "a") as out:
+            out.write(line + "\n")
+
+    # ---- the Lighthouse ------------------------------------------------------------------------------
+    def start_lighthouse(self) -> None:
+        """Start torchft's Lighthouse at the job's address and wait until it listens."""
+        log = open(self.run_dir / "agents" / "lighthouse.log", "ab")  # noqa: SIM115 (the child's)
+        with log:
+            self.lighthouse = subprocess.Popen(
+                lighthouse_command(self.port, self.cfg.replica, LOOPBACK),
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=tied_to_this_process(),
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.lighthouse.poll() is not None:
+                raise RuntimeError(f"the Lighthouse exited {self.lighthouse.returncode}: see {log.name}")
+            with socket.socket() as probe:
+                if probe.connect_ex((LOOPBACK, self.port)) == 0:
+                    self.record(Event.LIGHTHOUSE_STARTED, pid=self.lighthouse.pid, port=self.port)
+                    return
+            time.sleep(0.02)
+        raise RuntimeError(f"the Lighthouse did not listen on {LOOPBACK}:{self.port} within 30 s")
+
+    def supervise_lighthouse(self) -> None:
+        """Start the Lighthouse again, at the same address, whenever it exits before the job ends."""
+        while not self.stopping.is_set():
+            lighthouse = self.lighthouse
+            if lighthouse is not None and lighthouse.poll() is not None and not self.stopping.is_set():
+                self.record(Event.LIGHTHOUSE_EXIT, pid=lighthouse.pid, code=lighthouse.returncode)
+                self.start_lighthouse()
+            self.stopping.wait(0.05)
+
+    # ---- the groups ----------------------------------------------------------------------------------
+    def group_command(self, group: int) -> list[str]:
+        replica = self.cfg.replica
+        return [
+            sys.executable, "-m", ON_LOOPBACK, "torch.distributed.run",
+            "--nnodes=1", f"--nproc_per_node={replica.nproc_per_group}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{free_port()}",
+            f"--rdzv_id=replica-group-{group}", "--rdzv_conf=is_host=1",
+            f"--max-restarts={MAX_RESTARTS}", f"--monitor-interval={MONITOR_INTERVAL_S}",
+            f"--local_addr={LOOPBACK}", "--module", ON_LOOPBACK, WORKER,
+            "--config", self.config, *self.overrides,
+        ]  # fmt: skip
+
+    def start_group(self, group: int) -> subprocess.Popen:
+        env = {
+            **self.env,
+            "ELASTIC_QA_REPLICA_GROUP": str(group),
+            "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+        }
+        out = open(self.run_dir / "agents" / f"group-{group}.log", "ab")  # noqa: SIM115 (the child's)
+        with out:
+            process = subprocess.Popen(
+                self.group_command(group), stdout=out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=tied_to_this_process(), start_new_session=True,
+            )  # fmt: skip
+        self.record(Event.GROUP_STARTED, group=group, pid=process.pid)
+        return process
+
+    def run(self) -> int:
+        (self.run_dir / "agents").mkdir(parents=True, exist_ok=True)
+        self.record(Event.JOB_START, groups=self.cfg.replica.groups, lighthouse=self.lighthouse_address)
+        self.start_lighthouse()
+        supervisor = threading.Thread(target=self.supervise_lighthouse, name="lighthouse", daemon=True)
+        supervisor.start()
+        codes: dict[int, int] = {}
+        try:
+            self.groups = {group: self.start_group(group) for group in range(self.cfg.replica.groups)}
+            for group, process in self.groups.items():
+                codes[group] = process.wait()
+                self.record(Event.GROUP_EXIT, group=group, code=codes[group])
+        finally:
+            self.stopping.set()
+            for process in self.groups.values():
+                end_process(process, grace_s=30)
+            if self.lighthouse is not None:
+                end_process(self.lighthouse, grace_s=5)
+            supervisor.join(timeout=5)
+            self.record(Event.JOB_END, exit_codes={str(g): c for g, c in codes.items()})
+        return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic-qa replicas", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--config", default="default", help=config_help())
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. replica.groups=3")
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve_config(args.config, args.overrides)
+        require_torchft()
+        Path(cfg.run.dir, "agents").mkdir(parents=True, exist_ok=True)
+    except ConfigError as err:
+        print(f"elastic-qa: config error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as err:
+        print(f"elastic-qa: run.dir={cfg.run.dir}: cannot create it ({err.strerror})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    job = ReplicaJob(cfg, args.config, args.overrides)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda got, _frame: sys.exit(128 + got))
+    return job.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
