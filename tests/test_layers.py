@@ -39,7 +39,7 @@ LAYERS = {
 ENTRY_USES = {
     "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve", "replica"},
     "replica": {"launcher"},  # the loopback stores and process helpers its launcher shares
-    "bench": {"chaos", "launcher"},
+    "bench": {"chaos", "launcher", "replica"},
     "chaos": {"launcher"},
     "launcher": {"train"},  # launcher/warm_start.py: the forkserver imports the worker for its forks
     "api": {"train", "launcher"},

@@ -222,8 +222,6 @@ class ReplicaTrainer:
 
     def _after_step(self, step: int) -> None:
         self.waiting_since = 0.0
-        if self.cfg.debug.step_delay:
-            time.sleep(self.cfg.debug.step_delay.total_seconds())
         hold_after_step(self.cfg, step, lambda: False)
 
     def _logs_line(self, step: int) -> bool:
