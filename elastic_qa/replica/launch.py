@@ -32,6 +32,7 @@ from typing import Any
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from elastic_qa.launcher import ON_LOOPBACK
+from elastic_qa.launcher.local import LOOPBACK, free_port
 from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.observe.events import Event
@@ -39,14 +40,7 @@ from elastic_qa.replica.ft import lighthouse_command, require_torchft
 
 WORKER = "elastic_qa.replica.worker"
 KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
-LOOPBACK = "127.0.0.1"
 MAX_RESTARTS = 100  # a group's torchrun restarts its workers this often before it gives up
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return int(probe.getsockname()[1])
 
 
 class ReplicaJob:

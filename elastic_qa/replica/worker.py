@@ -31,6 +31,7 @@ from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.data.cache import PreparedData
+from elastic_qa.data.cursor import GlobalBatch, GlobalBatchIterator
 from elastic_qa.data.examples import DataError
 from elastic_qa.dist import DistContext, init_distributed, set_threads, shutdown, unwrap
 from elastic_qa.exits import EXIT_BAD_INPUT
@@ -91,6 +92,9 @@ class ReplicaTrainer:
         )  # fmt: skip
         self.ledger = ReplicaLedger(cfg.run.dir, group, ctx.rank) if cfg.debug.sample_ledger else None
         self.mark = CommitMark(cfg.run.dir)
+        self._batches: GlobalBatchIterator | None = None  # the epoch's order from the cursor on
+        self._batches_step = 0  # the step the iterator yields next
+        self._next_batch: GlobalBatch | None = None  # the step in progress's (kept until it commits)
         self.waiting_since = 0.0  # when this group found its quorum behind the job (0: it is not)
 
     # ---- the heal: the whole training state, to and from a live peer --------------------------------
@@ -131,7 +135,7 @@ class ReplicaTrainer:
                 )
             if self._behind_the_job(quorum):
                 continue
-            batch = next(state.cursor.batches(state.step + 1))
+            batch = self._batch()
             share = share_of(batch, quorum.participants, quorum.rank, self.ctx.world_size, self.ctx.rank)
             if self.ledger:
                 self.ledger.share(
@@ -161,12 +165,14 @@ class ReplicaTrainer:
                     error=self.manager.errored() or "a peer of the quorum failed",
                 )  # fmt: skip
                 continue
-            grad_norm = optimizer_step(state, self.trained, cfg.train.grad_clip, norm_wanted=True)
+            logged = self._logs_line(batch.step)  # else, unless it clips, no step needs the gradient norm
+            grad_norm = optimizer_step(state, self.trained, cfg.train.grad_clip, norm_wanted=logged)
             state.complete_step(batch.step, batch.epoch, batch.global_count, int(step_batch.global_tokens))
+            self._next_batch = None
             writer = quorum.rank == 0 and self.ctx.rank == 0
             if writer:
-                self.mark.advance(batch.step)
-            if writer and self._logs_line(batch.step):
+                self.mark.advance(batch.step, final=batch.step == state.end_step)
+            if writer and logged:
                 seconds = time.perf_counter() - started
                 self.log.info(
                     Event.STEP, step=batch.step, epoch=batch.epoch, loss=total_loss / batch.global_count,
@@ -180,6 +186,19 @@ class ReplicaTrainer:
         self.log.info(Event.TRAIN_DONE, step=state.step, tokens_seen=state.tokens_seen, params_sha256=digest)
         return {"step": state.step, "params_sha256": digest}
 
+    def _batch(self) -> GlobalBatch:
+        """The global batch of the next step: the one a step that did not commit trained again, else the
+        next of an iterator over the epoch's order (built again only when the state moved under it: a heal),
+        so the epoch's permutation is drawn once per epoch, not once per step."""
+        step = self.state.step + 1
+        if self._next_batch is not None and self._next_batch.step == step:
+            return self._next_batch
+        if self._batches is None or self._batches_step != step:
+            self._batches = self.state.cursor.batches(step)
+        self._next_batch = next(self._batches)
+        self._batches_step = step + 1
+        return self._next_batch
+
     def _sum_across_groups(self, loss_sum: torch.Tensor) -> float:
         """Sum the gradients and the loss over the quorum's groups, in one all-reduce of one flat tensor; the
         global batch's loss sum."""
@@ -189,7 +208,7 @@ class ReplicaTrainer:
         offset = 0
         for param in self.trained:
             count = param.numel()
-            param.grad = flat[offset : offset + count].view_as(param).to(param.dtype).clone()
+            param.grad = flat[offset : offset + count].view_as(param).to(param.dtype)  # a view: no copy
             offset += count
         return float(flat[offset])
 

@@ -61,9 +61,22 @@ def test_advance_moves_the_mark_forward_only(mark: CommitMark) -> None:
     assert mark.read() == 5
     mark.advance(5)
     assert mark.read() == 5
-    mark.advance(6)
+    mark.advance(6, final=True)
     assert mark.read() == 6
     assert mark.path.read_text() == "6"
+
+
+def test_the_mark_is_written_at_the_first_step_then_once_a_second_and_at_the_last(run_dir: Path) -> None:
+    now = [100.0]
+    mark = CommitMark(run_dir, clock=lambda: now[0])
+    mark.advance(1)
+    mark.advance(2)  # within the second: not written (it may lag, never lead)
+    assert mark.read() == 1
+    now[0] += 1.0
+    mark.advance(3)
+    assert mark.read() == 3
+    mark.advance(4, final=True)  # the last step always: a late group learns the job is done
+    assert mark.read() == 4
 
 
 def test_advance_leaves_no_staging_file_behind(mark: CommitMark) -> None:

@@ -23,8 +23,10 @@ import pytest
 
 from elastic_qa.config import load_config, packaged_config
 from elastic_qa.launcher.processes import kill_trees, python_env
+from elastic_qa.models import family_for
 from elastic_qa.observe.follow import read_events
-from elastic_qa.replica.shares import read_replica_ledger, verify
+from elastic_qa.prep import prepare
+from elastic_qa.replica.shares import Verdict, read_replica_ledger, verify
 from elastic_qa.step_holds import arm, release, release_all
 
 pytest.importorskip("torchft")
@@ -75,15 +77,15 @@ def finished(job: subprocess.Popen) -> int:
             job.kill()
 
 
-def check_ledger(run_dir: Path, cache: Path) -> None:
+def ledger_verdict(run_dir: Path, cache: Path, steps: int = MAX_STEPS) -> Verdict:
     cfg = load_config(packaged_config("tiny"), overrides(run_dir, cache))
-    from elastic_qa.models import family_for
-    from elastic_qa.prep import prepare
-
     windows = len(prepare(cfg, family_for(cfg.model)).train)
-    verdict = verify(
-        read_replica_ledger(run_dir), windows, cfg.train.global_batch_size, cfg.run.seed, MAX_STEPS, 1
-    )
+    rows = read_replica_ledger(run_dir)
+    return verify(rows, windows, cfg.train.global_batch_size, cfg.run.seed, steps, 1)
+
+
+def check_ledger(run_dir: Path, cache: Path) -> None:
+    verdict = ledger_verdict(run_dir, cache)
     assert verdict.ok, verdict.problems
 
 
@@ -117,16 +119,15 @@ def test_a_killed_worker_heals_from_its_peer_and_the_groups_end_bitwise_equal(
         killed = held["pid"]
         os.kill(killed, signal.SIGKILL)
         release(holds, 5)
-        # torchrun restarts group 1's worker. Either it heals from group 0 at once, or (group 0 held at 30
-        # meanwhile) it finds itself alone behind the job's step and trains nothing until group 0 is back.
-        back = wait_for(
+        # torchrun restarts group 1's worker; it heals from group 0 at once, or, if group 0 is held at 30 by
+        # then, its quorum waits for group 0 (the Lighthouse forms none of the restarted group alone while
+        # group 0 is alive), so 30 is released once the new worker is up.
+        wait_for(
             run_dir, job, "group 1 back",
-            lambda e: e.get("event") in ("heal", "quorum_behind")
+            lambda e: e.get("event") in ("heal", "train_start")
             and e.get("replica_group") == 1
             and e["pid"] != killed,
         )  # fmt: skip
-        if back["event"] == "quorum_behind":
-            assert back["step"] == 0 and back["job_step"] == 30
         release(holds, 30)
         heal = wait_for(
             run_dir, job, "group 1 healed",
@@ -141,6 +142,55 @@ def test_a_killed_worker_heals_from_its_peer_and_the_groups_end_bitwise_equal(
     check_ledger(run_dir, cache_dir)
     digests = final_digests(run_dir)
     assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+
+
+def test_a_restarted_group_whose_peers_are_gone_never_trains_the_job_again_from_step_zero(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Both groups held after step 10; group 0 is lost for good (its torchrun agent and worker killed) and
+    group 1's worker is killed: torchrun restarts it at step 0, alone, so the Lighthouse gives it quorums of
+    its own. Trained, it would commit steps 1.. a second time. It must find itself behind the job's
+    committed step and train nothing (with no durable checkpoint in this mode yet, the job cannot go on:
+    the note's largest gap)."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10])
+    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
+    try:
+        held = {
+            group: wait_for(
+                run_dir,
+                job,
+                f"group {group} held at 10",
+                lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g,
+            )
+            for group in (0, 1)
+        }
+        records = [
+            json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()
+        ]
+        kill_trees([next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 0)])
+        os.kill(held[1]["pid"], signal.SIGKILL)
+        first = wait_for(
+            run_dir, job, "the restarted group's first decision",
+            lambda e: e.get("replica_group") == 1
+            and e["pid"] != held[1]["pid"]
+            and e.get("event") in ("quorum_behind", "step"),
+        )  # fmt: skip
+        assert first["event"] == "quorum_behind", first
+        assert first["step"] == 0 and first["job_step"] >= 1
+    finally:
+        release_all(holds)
+        job.terminate()
+        finished(job)
+    verdict = ledger_verdict(run_dir, cache_dir, steps=10)
+    assert verdict.ok, verdict.problems
+    assert not [
+        e for e in read_events(run_dir) if e.get("event") == "step" and e["pid"] not in pids_before(held)
+    ]
+
+
+def pids_before(held: dict[int, dict]) -> set[int]:
+    return {event["pid"] for event in held.values()}
 
 
 def test_a_lost_group_leaves_the_survivor_training_to_the_end(tmp_path: Path, cache_dir: Path) -> None:
