@@ -61,7 +61,7 @@ from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import StepProgressRecord, records
 from elastic_qa.observe.follow import LogFollower
 from elastic_qa.observe.ledger import read_ledger
 from elastic_qa.prep import prepare
@@ -166,8 +166,8 @@ class LauncherSide:
         self.job.start(self.timeout)
 
     def steps(self) -> list[Step]:
-        for row in self.follower.new_events():
-            if row.get("event") != Event.STEP or row.get("rank") != 0 or "ts" not in row:
+        for row in records(self.follower.new_events(), StepProgressRecord):
+            if row.get("rank") != 0 or "ts" not in row:
                 continue
             group = f"attempt-{row.get('attempt', 0)}" if self.name == "product" else f"pid-{row['pid']}"
             self.world[group] = int(row.get("world_size") or 0)

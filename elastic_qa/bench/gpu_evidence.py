@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from elastic_qa.chaos.evidence import check_ledger, checkpoint_store, run_config
 from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import step_dir_name
 from elastic_qa.models import family_for
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import (
+    CheckpointCommittedRecord,
+    Event,
+    ResumeRecord,
+    StepProgressRecord,
+    StepRecord,
+    TrainDoneRecord,
+    WorkerStartRecord,
+    records,
+)
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.ledger import read_ledger
 from elastic_qa.prep import prepare
@@ -23,7 +33,7 @@ from elastic_qa.prep import prepare
 SKIP = 0.2  # share of a worker's logged steps dropped as warm-up before its steps/s
 
 
-def steps_per_s(steps: list[dict[str, Any]]) -> float | None:
+def steps_per_s(steps: Sequence[Mapping[str, Any]]) -> float | None:
     """Steps/s between the first logged step past the warm-up share and the last one (None: too few)."""
     steps = steps[int(len(steps) * SKIP) :]
     if len(steps) < 2 or steps[-1]["ts"] <= steps[0]["ts"]:
@@ -58,8 +68,9 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
     def of(rows: list[dict[str, Any]], name: Event) -> list[dict[str, Any]]:
         return [e for e in rows if e.get("event") == name]
 
-    starts = of(events, Event.WORKER_START)
-    check("one worker before the kill, one after", len(starts) == 2 and len(of(new, Event.WORKER_START)) == 1)
+    starts = records(events, WorkerStartRecord)
+    restarted = records(new, WorkerStartRecord)
+    check("one worker before the kill, one after", len(starts) == 2 and len(restarted) == 1)
     backend, device = ("nccl", "cuda") if cuda else ("gloo", "cpu")
     for number, start in enumerate(starts, start=1):
         check(
@@ -67,13 +78,13 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
             start.get("backend") == backend and str(start.get("device", "")).startswith(device),
             f"backend {start.get('backend')}, device {start.get('device')}",
         )
-    commits = [e for e in of(events, Event.CHECKPOINT_COMMITTED) if e.get("reason") == "periodic"]
+    commits = [e for e in records(events, CheckpointCommittedRecord) if e.get("reason") == "periodic"]
     committed_before = [e["step"] for e in commits if e.get("pid") == killed_pid and e["ts"] <= killed]
     check("a checkpoint was committed before the kill", bool(committed_before))
-    resume = of(new, Event.RESUME)
+    resume = records(new, ResumeRecord)
     resumed = resume[0]["step"] if resume else None
     check("the new worker resumed from a checkpoint", resumed is not None, "it started fresh")
-    attempt = next((e.get("attempt") for e in of(old, Event.WORKER_START)), None)
+    attempt = next((e.get("attempt") for e in records(old, WorkerStartRecord)), None)
     reached = max((r["step"] for r in read_ledger(run_dir) if r["attempt"] == attempt), default=None)
     if resumed is not None and committed_before and reached is not None:
         check(
@@ -82,26 +93,27 @@ def analyse(run_dir: Path, kill: dict[str, Any], cuda: bool, precision: str, ste
             f"resumed at {resumed}; newest committed before the kill {max(committed_before)}; "
             f"the killed worker reached step {reached}",
         )
-    losses = [e["loss"] for e in of(events, Event.STEP) if "loss" in e]
+    losses = [e["loss"] for e in records(events, StepRecord)]
     check(
         "every logged loss is finite",
         bool(losses) and all(math.isfinite(x) for x in losses),
         f"{losses[-3:]}",
     )
-    done = of(new, Event.TRAIN_DONE)
+    done = records(new, TrainDoneRecord)
     check("training reached the last step", bool(done) and done[-1].get("step") == steps)
     cfg = run_config(run_dir)
     ledger = check_ledger(run_dir, cfg, len(prepare(cfg, family_for(cfg.model)).train))
     check("each sample was used exactly once per epoch", ledger.ok, "; ".join(ledger.problems[:3]))
     scaler = {}
     if precision == "fp16" and resume:
-        scaler = scaler_restored(cfg, resume[0]["step"], resume[0].get("grad_scaler"), check)
-    new_steps = of(new, Event.STEP)
+        saved = cast(Mapping[str, Any], resume[0]).get("grad_scaler")  # a field no record names
+        scaler = scaler_restored(cfg, resume[0]["step"], saved, check)
+    new_steps = records(new, StepProgressRecord)
     stall = [e["blocking_seconds"] for e in commits]
     breakdowns = of(events, Event.STEP_BREAKDOWN)
     memory = [e["peak_memory_mb"] for e in breakdowns if "peak_memory_mb" in e]
     return {
-        "steps_per_s_before_kill": steps_per_s(of(old, Event.STEP)),
+        "steps_per_s_before_kill": steps_per_s(records(old, StepProgressRecord)),
         "steps_per_s_after_resume": steps_per_s(new_steps),
         "async_saves": len(stall),
         "async_stall_ms": summary_ms(stall),
@@ -148,5 +160,5 @@ def summary_ms(seconds: list[float]) -> dict[str, Any] | None:
     return {"median": statistics.median(ms), "max": max(ms), "values": ms}
 
 
-def _after(rows: list[dict[str, Any]], since: float) -> float | None:
+def _after(rows: Sequence[Mapping[str, Any]], since: float) -> float | None:
     return round(rows[0]["ts"] - since, 3) if rows else None

@@ -41,13 +41,13 @@ from elastic_qa.bench.interleaved import SIDES
 from elastic_qa.bench.runs import (
     bench_config,
     default_threads,
-    events_of,
     product_overrides,
+    records_of,
     run_logged,
     torchrun,
     worker_env,
 )
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import StepProgressRecord
 
 GOAL = 1.02
 GOAL_PAIR = ("product", "skeleton")
@@ -192,7 +192,7 @@ def run_rep(
     if any(len(times.get(side, [])) != args.rounds for side in sides):
         raise BenchError(f"{out}: not {args.rounds} blocks for every side of {','.join(sides)}")
     if "product" in sides:  # the product really trained every step it was timed for, and logged them
-        logged = [row["step"] for row in events_of(run_dir, Event.STEP)]
+        logged = [row["step"] for row in records_of(run_dir, StepProgressRecord)]
         if not logged or max(logged) != per_side:
             last = max(logged) if logged else None
             raise BenchError(f"{run_dir}: the product's last step line is {last}, expected {per_side}")

@@ -48,7 +48,7 @@ from elastic_qa.bench.common import (
 )
 from elastic_qa.bench.runs import STOP_GRACE_S, start_tied, worker_env
 from elastic_qa.launcher.processes import end_process
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import StepProgressRecord, TrainStartRecord, records
 from elastic_qa.observe.follow import LogFollower
 from elastic_qa.prep.synthetic import write_squad_file
 
@@ -178,7 +178,7 @@ def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[flo
         try:
             follower = LogFollower(run_dir / "logs")
             seen: list[dict[str, Any]] = []
-            while not (steps := [e for e in seen if e.get("event") == Event.STEP]):
+            while not (steps := records(seen, StepProgressRecord)):
                 seen += follower.new_events()
                 if process.poll() is not None:
                     raise BenchError(f"training exited with {process.returncode} (output: {output})")
@@ -189,7 +189,7 @@ def first_step_s(command: list[str], run_dir: Path, timeout: float) -> tuple[flo
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
             process.wait()
-    loop = [e for e in seen if e.get("event") == Event.TRAIN_START]
+    loop = records(seen, TrainStartRecord)
     if not loop:
         raise BenchError(f"no train_start event before the first step (output: {output})")
     return loop[0]["ts"] - started, steps[0]["ts"] - started

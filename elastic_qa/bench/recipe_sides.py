@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_qa.bench.common import BenchError, UsageError
-from elastic_qa.bench.runs import NO_CHECKPOINTS, events_of, run_logged, torchrun, worker_env
+from elastic_qa.bench.runs import NO_CHECKPOINTS, records_of, run_logged, torchrun, worker_env
 from elastic_qa.data.examples import DataError, QAExample
 from elastic_qa.metrics import best_thresholds, squad_v2_scores
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import StepRecord, TrainDoneRecord, TrainStartRecord
 from elastic_qa.prep.sources import parse_squad
 
 PRODUCT_CONFIG = "hf-base"  # the product's packaged run_qa recipe, under the overrides below
@@ -168,9 +168,9 @@ def run_product(
     total_s, cpu_s = timed(
         f"product run {run_dir.name}", command, run_dir / "output.log", threads, args.run_timeout
     )
-    steps = events_of(run_dir, Event.STEP)
-    begin = events_of(run_dir, Event.TRAIN_START)
-    done = events_of(run_dir, Event.TRAIN_DONE)
+    steps = records_of(run_dir, StepRecord)
+    begin = records_of(run_dir, TrainStartRecord)
+    done = records_of(run_dir, TrainDoneRecord)
     if not begin or not done:
         raise BenchError(f"product run {run_dir.name}: no train_start/train_done event (logs: {run_dir})")
     started = time.perf_counter()

@@ -45,7 +45,7 @@ from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.job import Job
 from elastic_qa.exits import UsageError
 from elastic_qa.launcher.rendezvous import KEEP_ALIVE_INTERVAL_S
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import AttemptStartRecord, Event, StepProgressRecord, record
 from elastic_qa.observe.follow import LogFollower
 
 GOAL = 1.5
@@ -125,8 +125,10 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         # For reading the agents' and workers' logs against the kill afterwards (--work-dir keeps them).
         record = {"ts": killed, "case": case, "pids": victims, "since_agents_started": killed - started}
         (run_dir / "bench-kill.json").write_text(json.dumps(record))
-        new = new_group_events(follower, before, killed, args.timeout, f"{variant} {case} ({run_dir})")
-        first_step = min(new[Event.STEP], key=lambda row: row["ts"])
+        starts, steps = new_group_events(
+            follower, before, killed, args.timeout, f"{variant} {case} ({run_dir})"
+        )
+        first_step = min(steps, key=lambda row: row["ts"])
         if variant == "product":  # its `startup` line follows the step's: for recovery_timeline
             wait_for_event(follower, Event.STARTUP, first_step.get("pid"), STARTUP_WAIT_S)
     finally:
@@ -134,24 +136,29 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
         job.remove_node_local_copy()
     return {
         "first_step_s": first_step["ts"] - killed,
-        "worker_start_s": min(row["ts"] for row in new[Event.WORKER_START] or [first_step]) - killed,
+        "worker_start_s": min([row["ts"] for row in starts] or [first_step["ts"]]) - killed,
         "new_world_size": first_step.get("world_size"),
     }
 
 
 def new_group_events(
     follower: LogFollower, before: set[int], killed: float, timeout: float, what: str
-) -> dict[str, list[dict[str, Any]]]:
+) -> tuple[list[AttemptStartRecord], list[StepProgressRecord]]:
     """worker_start and step events of processes that did not exist before the kill, until the first step."""
-    new: dict[str, list[dict[str, Any]]] = {Event.WORKER_START: [], Event.STEP: []}
-    while not new[Event.STEP]:
+    starts: list[AttemptStartRecord] = []
+    steps: list[StepProgressRecord] = []
+    while not steps:
         for row in follower.new_events():
-            if row.get("pid") not in before and row.get("ts", 0) >= killed and row.get("event") in new:
-                new[row["event"]].append(row)
-        if not new[Event.STEP] and time.time() - killed > timeout:
+            if row.get("pid") in before or row.get("ts", 0) < killed:
+                continue
+            if (start := record(row, AttemptStartRecord)) is not None:
+                starts.append(start)
+            elif (step := record(row, StepProgressRecord)) is not None:
+                steps.append(step)
+        if not steps and time.time() - killed > timeout:
             raise BenchError(f"{what}: no step of a new group within {timeout:.0f} s")
         time.sleep(0.02)
-    return new
+    return starts, steps
 
 
 def wait_for_event(follower: LogFollower, event: Event, pid: Any, timeout: float) -> bool:

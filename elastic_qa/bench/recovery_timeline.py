@@ -35,7 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import Event, StepProgressRecord, records
 from elastic_qa.observe.follow import read_events
 
 GROUPS = {
@@ -60,7 +60,7 @@ def timeline(run_dir: Path) -> dict[str, float] | None:
     killed = float(json.loads(kill_file.read_text())["ts"])
     events = read_events(run_dir)
     old = {row.get("pid") for row in events if row.get("ts", 0) < killed}
-    steps = [row for row in events if row["event"] == Event.STEP and row.get("ts", 0) >= killed]
+    steps = [row for row in records(events, StepProgressRecord) if row.get("ts", 0) >= killed]
     new_steps = [row for row in steps if row.get("pid") not in old]
     if not new_steps or not any(row["event"] == Event.TRAIN_START for row in events):
         return None  # the bare floor's trivial worker, or a kill the group never recovered from

@@ -31,12 +31,12 @@ from elastic_qa.bench.common import (
     show,
     summary,
 )
-from elastic_qa.bench.runs import bench_config, events_of, run_logged, start_tied, worker_env
+from elastic_qa.bench.runs import bench_config, records_of, run_logged, start_tied, worker_env
 from elastic_qa.checkpoint.backends import open_store
 from elastic_qa.checkpoint.payload import TRAINER_FILE
 from elastic_qa.checkpoint.store import CheckpointStore, serialize
 from elastic_qa.models import family_for
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import ResumeRecord, StepProgressRecord, records
 from elastic_qa.observe.follow import LogFollower
 from elastic_qa.prep import prepare
 
@@ -95,7 +95,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
         process = start_tied(command, out)
         try:
             follower = LogFollower(run_dir / "logs")  # reads only what is new at each poll
-            while not (steps := [e for e in follower.new_events() if e.get("event") == Event.STEP]):
+            while not (steps := records(follower.new_events(), StepProgressRecord)):
                 if process.poll() is not None:
                     raise BenchError(f"resume exited with {process.returncode} (output: {output})")
                 if time.time() - started > timeout:
@@ -105,7 +105,7 @@ def time_to_first_step(command: list[str], run_dir: Path, timeout: float) -> dic
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)  # no final checkpoint over the moved copy
             process.wait()
-    resumed = events_of(run_dir, Event.RESUME)
+    resumed = records_of(run_dir, ResumeRecord)
     if not resumed:
         raise BenchError(f"the run did not resume (output: {output})")
     return {

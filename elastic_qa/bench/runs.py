@@ -17,14 +17,14 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from elastic_qa.bench.common import BenchError, UsageError
 from elastic_qa.config import Config, ConfigError, format_duration, resolve_config
 from elastic_qa.data.examples import DataError
 from elastic_qa.launcher.processes import end_process, tied_to_this_process
 from elastic_qa.models import family_for
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import CheckpointCommittedRecord, Event, StepProgressRecord, records
 from elastic_qa.observe.follow import read_events
 from elastic_qa.prep import prepare
 
@@ -105,13 +105,23 @@ def run_logged(
         raise BenchError(f"{name} exited with {code}: {lines[-1] if lines else ''} (output: {log_path})")
 
 
+R = TypeVar("R")
+
+
 def events_of(run_dir: Path, event: Event, rank: int | None = 0) -> list[dict[str, Any]]:
-    """One kind of event from a run's logs, oldest first, from one rank (None: all)."""
+    """One kind of event from a run's logs, oldest first, from one rank (None: all). For an event with a
+    record in observe/events.py, `records_of` reads it typed."""
     return [
         row
         for row in read_events(run_dir)
         if row.get("event") == event and (rank is None or row.get("rank") == rank)
     ]
+
+
+def records_of(run_dir: Path, kind: type[R], rank: int | None = 0) -> list[R]:
+    """The lines of a run's logs that are `kind` records (observe/events.py; others passed over), oldest
+    first, from one rank (None: all)."""
+    return records([row for row in read_events(run_dir) if rank is None or row.get("rank") == rank], kind)
 
 
 def window_steps(total: int, every: int, skip: float) -> tuple[int, int]:
@@ -187,7 +197,7 @@ class ProductRun:
     window: tuple[int, int]
     window_s: tuple[float, float]  # ts of the window's first and last step
     breakdowns: list[dict[str, Any]] = field(default_factory=list)  # rank 0, inside the window
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # committed inside the window
+    checkpoints: list[CheckpointCommittedRecord] = field(default_factory=list)  # committed inside the window
 
 
 def run_product(
@@ -203,7 +213,7 @@ def run_product(
         timeout=300 + 2 * spec.steps,
     )
     window = spec.window
-    stamps = {row["step"]: row["ts"] for row in events_of(run_dir, Event.STEP)}
+    stamps = {row["step"]: row["ts"] for row in records_of(run_dir, StepProgressRecord)}
     rate = steps_per_s(stamps, window)
     start, end = stamps[window[0]], stamps[window[1]]
     # Breakdowns whose whole averaging window lies in the steady state (else the last one there is).
@@ -211,7 +221,7 @@ def run_product(
     steady = [row for row in breakdowns if row["step"] - row["steps"] >= window[0]] or breakdowns[-1:]
     checkpoints = [
         row
-        for row in events_of(run_dir, Event.CHECKPOINT_COMMITTED)
+        for row in records_of(run_dir, CheckpointCommittedRecord)
         if row.get("reason") == "periodic" and start < row["ts"] <= end
     ]
     chunk = median_chunk_step_s(stamps, window, spec.every)

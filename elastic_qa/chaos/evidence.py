@@ -29,7 +29,7 @@ from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.checkpoint.store import CheckpointStore
 from elastic_qa.config import CheckpointConfig, Config, config_from_dict
 from elastic_qa.data.cursor import GlobalCursor
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import AttemptStartRecord, ResumeRecord, StepProgressRecord, record
 from elastic_qa.observe.ledger import effective_order, read_ledger
 
 REJECTED_NOTE = "REJECTED.json"  # written next to a quarantined checkpoint: why it was set aside
@@ -263,14 +263,13 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "last_step": 0,
             },
         )
-        name = event.get("event")
-        if name == Event.WORKER_START:
-            row["world_size"] = event["world_size"]
-            row["start"] = min(row["start"], event["ts"])
-        elif name == Event.RESUME:
-            row["resumed_step"] = event["step"]
-        elif name == Event.STEP:
+        if (started := record(event, AttemptStartRecord)) is not None:
+            row["world_size"] = started["world_size"]
+            row["start"] = min(row["start"], started["ts"])
+        elif (resumed := record(event, ResumeRecord)) is not None:
+            row["resumed_step"] = resumed["step"]
+        elif (step := record(event, StepProgressRecord)) is not None:
             if row["first_step_ts"] is None:
-                row["first_step_ts"] = event["ts"]
-            row["last_step"] = max(row["last_step"], event["step"])
+                row["first_step_ts"] = step["ts"]
+            row["last_step"] = max(row["last_step"], step["step"])
     return [rows[k] for k in sorted(rows)]

@@ -21,7 +21,7 @@ from pathlib import Path
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
 from elastic_qa.launcher.processes import alive, python_env
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import AttemptStartRecord, records
 from elastic_qa.observe.follow import read_events
 from elastic_qa.session.hold import REFUSED_LINE
 
@@ -42,24 +42,23 @@ def _kill(pid: int, sig: int) -> None:
 def rank_zero_worker(job: Job) -> int:
     """pid of the rank-0 worker of the job's newest attempt (the checkpoint writer)."""
     starts = [
-        row
-        for row in read_events(job.run_dir, "rank-000.*.pid-*.jsonl")
-        if row["event"] == Event.WORKER_START
-        and "attempt" in row
+        (row["attempt"], row["pid"])
+        for row in records(read_events(job.run_dir, "rank-000.*.pid-*.jsonl"), AttemptStartRecord)
+        if "attempt" in row
         and "pid" in row
         and row["pid"] not in job.ignored_pids  # a second job is not this job's writer
     ]
-    newest = max(starts, key=lambda row: row["attempt"], default=None)
-    if newest is None or not alive(newest["pid"]) or newest["pid"] not in all_workers(job):
+    newest = max(starts, key=lambda start: start[0], default=None)
+    if newest is None or not alive(newest[1]) or newest[1] not in all_workers(job):
         raise NoTarget("no live rank-0 worker")
-    return newest["pid"]
+    return newest[1]
 
 
 def registered_attempt(run_dir: Path, pid: int) -> int | None:
     """The attempt number a process registered (from its worker_start line), if it has yet."""
-    for row in read_events(run_dir, f"rank-*.pid-{pid}.jsonl"):
-        if row["event"] == Event.WORKER_START and "attempt" in row:
-            return int(row["attempt"])
+    for row in records(read_events(run_dir, f"rank-*.pid-{pid}.jsonl"), AttemptStartRecord):
+        if "attempt" in row:
+            return row["attempt"]
     return None
 
 

@@ -16,11 +16,25 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO, TypeVar
 
 from elastic_qa.metrics import em_f1_text
-from elastic_qa.observe.events import Event, conforms, event_of
+from elastic_qa.observe.events import (
+    AttemptStartRecord,
+    CheckpointCommittedRecord,
+    EmergencyCheckpointRecord,
+    EvalRecord,
+    Event,
+    ResumeRecord,
+    StepProgressRecord,
+    StoppingRecord,
+    TrainDoneRecord,
+    TrainStartRecord,
+    conforms,
+    event_of,
+    record,
+)
 
 # Set by the launcher for its workers: the launcher owns the terminal, a worker's output goes to a log file.
 UNDER_LAUNCHER = "ELASTIC_QA_UNDER_LAUNCHER"
@@ -86,6 +100,29 @@ class Console:
         print_safely(text, self.stream, end="")
 
 
+R = TypeVar("R")
+
+
+def typed(kind: type[R], handler: Callable[[R], None]) -> Callable[[Mapping[str, Any]], None]:
+    """A handler of lines: `handler` with the line as the record `kind`, nothing for a line that is none."""
+
+    def handle(row: Mapping[str, Any]) -> None:
+        if (rec := record(row, kind)) is not None:
+            handler(rec)
+
+    return handle
+
+
+def untyped(handler: Callable[[Mapping[str, Any]], None]) -> Callable[[Mapping[str, Any]], None]:
+    """A handler of the lines of an event without a record: `handler` once the line conforms."""
+
+    def handle(row: Mapping[str, Any]) -> None:
+        if conforms(row):
+            handler(row)
+
+    return handle
+
+
 class ProgressView:
     """The job's progress for the launcher's terminal, fed with the run's log events (any rank, any order
     within a batch). Shows rank 0's steps, loss, samples/s, ETA, world size and restarts (in place on a
@@ -118,19 +155,21 @@ class ProgressView:
         self._drawn = False  # a bar is on the screen, without its newline
         self._last_plain: float | None = None
         self._said: set[Any] = set()
-        self._handlers: dict[Event, Callable[[dict[str, Any]], None]] = {
-            Event.WORKER_START: self._on_worker_start,
-            Event.TRAIN_START: self._on_train_start,
-            Event.RESUME: self._on_resume,
-            Event.START_FRESH: self._on_start_fresh,
-            Event.CONFIG_CHANGED: self._on_config_changed,
-            Event.STEP: self._on_step,
-            Event.EVAL: self._on_eval,
-            Event.DIAGNOSIS: self._on_diagnosis,
-            Event.STOPPING: self._on_stopping,
-            Event.EMERGENCY_CHECKPOINT: self._on_emergency_checkpoint,
-            Event.CHECKPOINT_COMMITTED: self._on_checkpoint_committed,
-            Event.TRAIN_DONE: self._on_train_done,
+        # Each handler takes the line as its event's typed record (`typed`: passed over when it is none);
+        # those of the events without a record read its fields with .get(), once the line conforms.
+        self._handlers: dict[Event, Callable[[Mapping[str, Any]], None]] = {
+            Event.WORKER_START: typed(AttemptStartRecord, self._on_worker_start),
+            Event.TRAIN_START: typed(TrainStartRecord, self._on_train_start),
+            Event.RESUME: typed(ResumeRecord, self._on_resume),
+            Event.START_FRESH: untyped(self._on_start_fresh),
+            Event.CONFIG_CHANGED: untyped(self._on_config_changed),
+            Event.STEP: typed(StepProgressRecord, self._on_step),
+            Event.EVAL: typed(EvalRecord, self._on_eval),
+            Event.DIAGNOSIS: untyped(self._on_diagnosis),
+            Event.STOPPING: typed(StoppingRecord, self._on_stopping),
+            Event.EMERGENCY_CHECKPOINT: typed(EmergencyCheckpointRecord, self._on_emergency_checkpoint),
+            Event.CHECKPOINT_COMMITTED: typed(CheckpointCommittedRecord, self._on_checkpoint_committed),
+            Event.TRAIN_DONE: typed(TrainDoneRecord, self._on_train_done),
         }
 
     # ---- events -------------------------------------------------------------------------------------
@@ -139,21 +178,21 @@ class ProgressView:
         for event in events:
             kind = event_of(event)
             handler = self._handlers.get(kind) if kind is not None else None
-            if handler is not None and conforms(event):
+            if handler is not None:
                 handler(event)
 
-    def _on_worker_start(self, event: dict[str, Any]) -> None:
+    def _on_worker_start(self, event: AttemptStartRecord) -> None:
         if event.get("rank") != 0:
             return
         self.restarts += 1
         self.world_size = int(event.get("world_size", 0))
         self._rate_origin, self._eta = None, None  # a new group: its rate is measured afresh
 
-    def _on_train_start(self, event: dict[str, Any]) -> None:
+    def _on_train_start(self, event: TrainStartRecord) -> None:
         if event.get("rank") == 0:
-            self.total = int(event.get("max_steps", self.total))
+            self.total = event["max_steps"]
 
-    def _on_resume(self, event: dict[str, Any]) -> None:
+    def _on_resume(self, event: ResumeRecord) -> None:
         if event.get("rank") != 0:
             return
         if self.restarts <= 0:
@@ -162,14 +201,14 @@ class ProgressView:
         else:
             self._regrouped(f"resuming from step {event.get('step')}")
 
-    def _on_start_fresh(self, event: dict[str, Any]) -> None:
+    def _on_start_fresh(self, event: Mapping[str, Any]) -> None:
         if event.get("rank") == 0 and self.restarts > 0:
             self._regrouped("starting from step 0 (nothing was saved yet)")
 
     def _regrouped(self, where: str) -> None:
         self.say(f"regrouped: world size {self.world_size} (restart {self.restarts}), {where}")
 
-    def _on_config_changed(self, event: dict[str, Any]) -> None:
+    def _on_config_changed(self, event: Mapping[str, Any]) -> None:
         for change in event.get("changes", []):
             key = ("config", change.get("key"), repr(change.get("old")), repr(change.get("new")))
             if key not in self._said:
@@ -179,7 +218,7 @@ class ProgressView:
                     f"{change.get('old')!r} -> {change.get('new')!r}: {change.get('effect')}"
                 )
 
-    def _on_step(self, event: dict[str, Any]) -> None:
+    def _on_step(self, event: StepProgressRecord) -> None:
         if event.get("rank") != 0:
             return
         ts, step = float(event.get("ts", self.clock())), int(event["step"])
@@ -194,36 +233,32 @@ class ProgressView:
                 self._eta = (self.total - step) * (ts - origin_ts) / (step - origin_step)
         self.draw()
 
-    def _on_eval(self, event: dict[str, Any]) -> None:
-        if event.get("rank") == 0:
-            self.say(
-                f"eval at step {event.get('step')}: {em_f1_text(float(event['em']), float(event['f1']))}"
-            )
+    def _on_eval(self, event: EvalRecord) -> None:
+        if event.get("rank") == 0 and "em" in event and "f1" in event:  # a line of its loss only: no news
+            self.say(f"eval at step {event['step']}: {em_f1_text(float(event['em']), float(event['f1']))}")
 
-    def _on_diagnosis(self, event: dict[str, Any]) -> None:
+    def _on_diagnosis(self, event: Mapping[str, Any]) -> None:
         finding = str(event.get("finding", ""))
         key = ("diagnosis", finding.split(":")[0])
         if key not in self._said:  # the figures move every window: a new kind of finding is the news
             self._said.add(key)
             self.say(f"diagnosis at step {event.get('step')}: {finding}")
 
-    def _on_stopping(self, event: dict[str, Any]) -> None:
+    def _on_stopping(self, event: StoppingRecord) -> None:
         if event.get("rank") == 0 and not self.stopping and ("stopping", event.get("step")) not in self._said:
             self._said.add(("stopping", event.get("step")))
             self.say(f"stopping after step {event.get('step')} ({event.get('signal')}): saving")
 
-    def _on_emergency_checkpoint(self, event: dict[str, Any]) -> None:
+    def _on_emergency_checkpoint(self, event: EmergencyCheckpointRecord) -> None:
         key = ("emergency", event.get("attempt"))
         if key not in self._said:
             self._said.add(key)
             self.say(f"a rank failed after step {event.get('step')}: saving, then the agents regroup")
 
-    def _on_checkpoint_committed(self, event: dict[str, Any]) -> None:
-        step = event.get("step")
-        if isinstance(step, int):
-            self.saved_step = max(step, self.saved_step or 0)
+    def _on_checkpoint_committed(self, event: CheckpointCommittedRecord) -> None:
+        self.saved_step = max(event["step"], self.saved_step or 0)
 
-    def _on_train_done(self, event: dict[str, Any]) -> None:
+    def _on_train_done(self, event: TrainDoneRecord) -> None:
         if event.get("rank") == 0:
             self.done = True
             self.draw(final=True)

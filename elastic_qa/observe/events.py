@@ -13,6 +13,8 @@ Each event that readers read fields of has a TypedDict record (`StepRecord`, `Re
 ones those some reader reads when present. `FIELDS` (required fields), `TYPES` (every field) and the
 dashboard's checks (report/live_rows.py) derive from them. `record(row, StepRecord)` reads a row as one
 (None for another event, a missing required field or a field of another type); `records` filters a list.
+A reader that needs less than every writer passes reads through a looser view of the same event
+(`StepProgressRecord`: a step line's step only, `AttemptStartRecord`), which types its fields as the record.
 
 Every line also carries what observe/log.py adds to all of them (`COMMON`): ts, rank, local_rank,
 world_size, node, pid, attempt (a worker's lines), or ts (and node) for the launcher's and a node's.
@@ -107,7 +109,7 @@ class Common(TypedDict, total=False):
 # A float field accepts an int (JSON writes 2.0 as 2.0, but a hand-written line may say 2).
 class WorkerStartRecord(Common):
     event: Literal[Event.WORKER_START]
-    backend: str
+    backend: str | None  # None: a single process without a process group (dist.py)
     device: NotRequired[str]
 
 
@@ -121,6 +123,7 @@ class ResumeRecord(Common):
     event: Literal[Event.RESUME]
     step: int
     saved_world_size: NotRequired[int | None]  # None: the manifest did not say
+    cursor: NotRequired[int]  # samples consumed at the checkpoint (bench resume)
 
 
 class StepRecord(Common):
@@ -154,6 +157,8 @@ class CheckpointCommittedRecord(Common):
     event: Literal[Event.CHECKPOINT_COMMITTED]
     step: int
     reason: NotRequired[str]
+    seconds: NotRequired[float]  # the whole save's time (bench gpu_evidence)
+    blocking_seconds: NotRequired[float]  # the training loop's stall (bench throughput, gpu_evidence)
 
 
 class CheckpointFailedRecord(Common):
@@ -216,6 +221,31 @@ RECORDS: tuple[type[Any], ...] = (
     AgentExitRecord, JobEndRecord,
 )  # fmt: skip
 
+
+# Looser views of an event, for readers that need less than every writer passes (only a step line's step,
+# say): a line of a test fixture, of the bench's trivial worker or of a replica group's worker may lack the
+# rest. A view names the same event, types no field otherwise than its record, and requires a subset of
+# its record's fields; FIELDS and TYPES stay the records' (tests/observe/test_events.py checks this).
+class StepProgressRecord(Common):
+    """A step line read for its step (and COMMON's ts, rank, attempt ...); the figures may be missing."""
+
+    event: Literal[Event.STEP]
+    step: int
+    loss: NotRequired[float]
+    lr: NotRequired[float]
+    samples_per_s: NotRequired[float]
+
+
+class AttemptStartRecord(Common):
+    """A worker_start line read for COMMON's fields only (attempt, pid, world_size, ts): backend may be
+    missing."""
+
+    event: Literal[Event.WORKER_START]
+    backend: NotRequired[str | None]
+
+
+VIEWS: tuple[type[Any], ...] = (StepProgressRecord, AttemptStartRecord)
+
 Kind = type | tuple[type, ...]
 
 
@@ -251,7 +281,11 @@ def _types(kind: type[Any]) -> dict[str, Kind]:
 # Fields added to every line of a worker by observe/log.py (the launcher's lines carry ts).
 COMMON: Mapping[str, Kind] = _types(Common)
 _TIMES = ("ts", "since_ts")
-EVENT_OF_RECORD: Mapping[type[Any], Event] = {kind: _event(kind) for kind in RECORDS}
+EVENT_OF_RECORD: Mapping[type[Any], Event] = {kind: _event(kind) for kind in RECORDS + VIEWS}
+# The fields a record (or a view) requires, beyond `event`.
+REQUIRED: Mapping[type[Any], frozenset[str]] = {
+    kind: frozenset(kind.__required_keys__ - {"event"}) for kind in RECORDS + VIEWS
+}
 # Every field of an event that a reader reads, with its type (COMMON's included).
 TYPES: Mapping[Event, Mapping[str, Kind]] = {_event(kind): _types(kind) for kind in RECORDS}
 # The fields some reader of the event relies on, beyond COMMON, with their types: every writer passes them.
@@ -294,10 +328,14 @@ R = TypeVar("R")
 
 
 def record(row: Mapping[str, Any], kind: type[R]) -> R | None:
-    """`row` as the typed record `kind` (one of RECORDS), or None: another event, a required field missing,
-    or a field of another type (`conforms`). Optional fields may still be missing: read them with .get()."""
-    event = EVENT_OF_RECORD[kind]
-    if row.get("event") != event or not all(name in row for name in FIELDS[event]) or not conforms(row):
+    """`row` as the typed record `kind` (one of RECORDS or VIEWS), or None: another event, a field `kind`
+    requires missing, or a field of another type (`conforms`). Optional fields may still be missing: read
+    them with .get()."""
+    if (
+        row.get("event") != EVENT_OF_RECORD[kind]
+        or not all(name in row for name in REQUIRED[kind])
+        or not conforms(row)
+    ):
         return None
     return cast(R, row)
 

@@ -35,7 +35,21 @@ from typing import Any
 
 import yaml
 
-from elastic_qa.observe.events import Event
+from elastic_qa.observe.events import (
+    AgentExitRecord,
+    AgentStartedRecord,
+    AttemptStartRecord,
+    EmergencyCheckpointRecord,
+    EvalRecord,
+    Event,
+    JobEndRecord,
+    ResumeRecord,
+    StepProgressRecord,
+    TrainDoneRecord,
+    event_of,
+    record,
+    records,
+)
 from elastic_qa.observe.follow import MAX_LINE, open_regular, parse_log_line
 from elastic_qa.report import live_rows
 from elastic_qa.report.page import attempts_html, charts_html, summary_html
@@ -234,14 +248,14 @@ class LiveRun:
                 ends = self._ends.setdefault(worker, [event, event])
                 ends[0] = min(ends[0], event, key=lambda e: e["ts"])
                 ends[1] = max(ends[1], event, key=lambda e: e["ts"])
-            if event["event"] == Event.STEP and "step" in event:
+            if (step := record(event, StepProgressRecord)) is not None:
                 if worker in self._last_step or len(self._last_step) < MAX_KEPT:
                     self._last_step[worker] = max(
                         self._last_step.get(worker, event), event, key=lambda e: e["ts"]
                     )
-                if event.get("rank") == 0:
+                if step.get("rank") == 0:
                     pace.append(event)
-                if event["step"] % self._every == 0:
+                if step["step"] % self._every == 0:
                     kept.append(event)
             elif event["event"] in READ_EVENTS and others < MAX_KEPT:
                 kept.append(event)
@@ -320,12 +334,7 @@ def _eta(events: list[dict[str, Any]], attempt: int, step: int, max_steps: Any) 
     if not isinstance(max_steps, int) or max_steps <= step:
         return 0.0 if isinstance(max_steps, int) else None
     recent = [
-        r
-        for r in events
-        if r.get("event") == Event.STEP
-        and r.get("rank") == 0
-        and r.get("attempt") == attempt
-        and isinstance(r.get("step"), int)
+        r for r in records(events, StepProgressRecord) if r.get("rank") == 0 and r.get("attempt") == attempt
     ][-RATE_WINDOW:]
     if len(recent) < 2 or recent[-1]["ts"] <= recent[0]["ts"] or recent[-1]["step"] <= recent[0]["step"]:
         return None
@@ -363,12 +372,13 @@ def _members(
             },
         )
         row["seen_s"] = round(t_end - event["ts"], 1)
-        if event.get("event") == Event.STEP and isinstance(event.get("step"), int):
-            row["step"] = event["step"]
-        elif event.get("event") == Event.TRAIN_DONE:
+        name = event_of(event)
+        if (step := record(event, StepProgressRecord)) is not None:
+            row["step"] = step["step"]
+        elif name == Event.TRAIN_DONE:
             row["state"] = "finished"
-        elif event.get("event") in ENDINGS:
-            row["state"] = ENDINGS[event["event"]]
+        elif name in ENDINGS:
+            row["state"] = ENDINGS[name]
     for row in rows.values():
         if row["state"] == "up" and row["pid"] in failures:
             row["state"] = _death(failures[row["pid"]])
@@ -400,20 +410,20 @@ def _newest_job(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _agents(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The local launcher's agents (agents/launch.jsonl; a multi-node job has no such file)."""
     agents: dict[Any, dict[str, Any]] = {}
-    for record in _newest_job(launcher):
-        name = record.get("event")
-        if name == "agent_started":
-            role = "store host" if record.get("is_host") else "agent"
-            number = record.get("agent")
-            agents[number] = {"agent": number, "pid": record.get("pid"), "role": role, "state": "started"}
-        elif name in ("agent_leave", "agent_stop") and record.get("agent") in agents:
-            agents[record["agent"]]["state"] = "left" if name == "agent_leave" else "stopped"
-        elif name == "agent_exit" and record.get("agent") in agents:
-            agent = agents[record["agent"]]
+    for row in _newest_job(launcher):
+        name = event_of(row)
+        if (started := record(row, AgentStartedRecord)) is not None:
+            role = "store host" if started.get("is_host") else "agent"
+            number = started["agent"]
+            agents[number] = {"agent": number, "pid": started.get("pid"), "role": role, "state": "started"}
+        elif name in (Event.AGENT_LEAVE, Event.AGENT_STOP) and row.get("agent") in agents:
+            agents[row["agent"]]["state"] = "left" if name == Event.AGENT_LEAVE else "stopped"
+        elif (ended := record(row, AgentExitRecord)) is not None and ended["agent"] in agents:
+            agent = agents[ended["agent"]]
             if agent["state"] == "started":  # one that left or was stopped keeps saying so
-                agent["state"] = f"exited {record.get('code', '?')}"
-        elif name == "job_end":
-            codes = record.get("exit_codes", {})
+                agent["state"] = f"exited {ended.get('code', '?')}"
+        elif (end := record(row, JobEndRecord)) is not None:
+            codes = end.get("exit_codes", {})
             for number, agent in agents.items():
                 if agent["state"] == "started":
                     agent["state"] = f"exited {codes.get(str(number), '?')}"
@@ -424,22 +434,22 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     """The moments that change the job: attempts starting, resumes, failures, emergency saves, the end."""
     rows = []
     for event in events:
-        name, rank = event.get("event"), event.get("rank")
-        if name == "worker_start" and rank == 0:
-            size = event.get("world_size")
-            text = f"attempt {event.get('attempt')} started with {size} worker{'' if size == 1 else 's'}"
-        elif name == "resume" and rank == 0:
-            saved = event.get("saved_world_size")
-            text = f"resumed from step {event.get('step')}" + (
+        name, rank = event_of(event), event.get("rank")
+        if (started := record(event, AttemptStartRecord)) is not None and rank == 0:
+            size = started.get("world_size")
+            text = f"attempt {started.get('attempt')} started with {size} worker{'' if size == 1 else 's'}"
+        elif (resumed := record(event, ResumeRecord)) is not None and rank == 0:
+            saved = resumed.get("saved_world_size")
+            text = f"resumed from step {resumed['step']}" + (
                 f" (saved at world size {saved})" if saved else ""
             )
         elif name in ENDINGS:
             detail = event.get("error") or event.get("reason") or ""
             text = f"rank {rank} on {_host(event)} {ENDINGS[name]}" + (f": {detail}" if detail else "")
-        elif name == "emergency_checkpoint" and rank == 0:
-            text = f"emergency checkpoint of step {event.get('step')}"
-        elif name == "train_done" and rank == 0:
-            text = f"finished at step {event.get('step')}"
+        elif (saving := record(event, EmergencyCheckpointRecord)) is not None and rank == 0:
+            text = f"emergency checkpoint of step {saving['step']}"
+        elif (done := record(event, TrainDoneRecord)) is not None and rank == 0:
+            text = f"finished at step {done['step']}"
         else:
             continue
         rows.append({"t": round(event["ts"] - t0, 1), "text": text[:300]})
@@ -449,15 +459,11 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
 def _thinned(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events with at most about CHART_STEPS step lines per rank and attempt (every k-th step, the same
     steps on every rank), for the charts: drawn a few hundred pixels wide, more points show nothing more."""
-    steps = sum(1 for e in events if e.get("event") == Event.STEP and e.get("rank") == 0)
+    steps = sum(1 for e in records(events, StepProgressRecord) if e.get("rank") == 0)
     every = -(-steps // CHART_STEPS)
     if every <= 1:
         return events
-    return [
-        e
-        for e in events
-        if e.get("event") != Event.STEP or not isinstance(e.get("step"), int) or e["step"] % every == 0
-    ]
+    return [e for e in events if (step := record(e, StepProgressRecord)) is None or step["step"] % every == 0]
 
 
 def live_state(
@@ -508,7 +514,7 @@ def live_state(
             why = event.get("reason") or event.get("error") or ""
             saves.append({"t": round(event["ts"] - t0, 1), "kind": kind, "step": event.get("step"),
                           "why": str(why)[:300]})  # fmt: skip
-    evals = [r for r in events if r.get("event") == Event.EVAL and "em" in r]
+    evals = [r for r in records(events, EvalRecord) if "em" in r]
     injected = [
         {"index": i, "fault": f.get("fault"), "target": f.get("target", ""), "step": f.get("step"),
          "t": round(f["ts"] - t0, 1) if isinstance(f.get("ts"), (int, float)) else None,

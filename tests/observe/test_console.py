@@ -31,7 +31,7 @@ def step(n: int, ts: float, rank: int = 0, world: int = 2) -> dict:
 def start(rank: int = 0, world: int = 2) -> list[dict]:
     return [
         {"event": "worker_start", "rank": rank, "world_size": world, "ts": 0.0},
-        {"event": "train_start", "rank": rank, "max_steps": 100, "ts": 0.0},
+        {"event": "train_start", "rank": rank, "step": 0, "max_steps": 100, "ts": 0.0},
     ]
 
 

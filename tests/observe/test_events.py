@@ -16,20 +16,25 @@ from elastic_qa.observe.events import (
     FIELDS,
     RECORDS,
     TYPES,
+    VIEWS,
     AgentExitRecord,
     AgentStartedRecord,
+    AttemptStartRecord,
     CheckpointCommittedRecord,
     EvalRecord,
     Event,
     JobEndRecord,
     LogLinesDroppedRecord,
     ResumeRecord,
+    StepProgressRecord,
     StepRecord,
     TrainDoneRecord,
+    WorkerStartRecord,
     conforms,
     event_of,
     record,
     records,
+    runtime_type,
 )
 from tests.conftest import REPO
 
@@ -262,3 +267,31 @@ def test_the_lines_producers_write_parse_as_their_records(tmp_path: Path) -> Non
     launcher = [json.loads(line) for line in (tmp_path / "agents" / "launch.jsonl").read_text().splitlines()]
     kinds = [AgentStartedRecord, AgentExitRecord, JobEndRecord]
     assert all(record(line, kind) is not None for line, kind in zip(launcher, kinds, strict=True)), launcher
+
+
+def test_a_view_types_its_fields_as_its_events_record_and_requires_no_more() -> None:
+    """A view (a looser reading of an event) leaves FIELDS and TYPES the strict record's."""
+    for view in VIEWS:
+        event = EVENT_OF_RECORD[view]
+        hints = typing.get_type_hints(view)
+        assert hints["event"] == typing.Literal[event] and view not in RECORDS
+        assert {name: runtime_type(hint) for name, hint in hints.items() if name != "event"}.items() <= {
+            **TYPES[event]
+        }.items()
+        assert view.__required_keys__ - {"event"} <= set(FIELDS[event])
+    assert set(FIELDS[Event.STEP]) == {"step", "loss", "lr", "samples_per_s"}  # not weakened by the view
+
+
+def test_a_view_reads_a_line_its_record_refuses_for_a_missing_field_only() -> None:
+    bare = {"event": "step", "step": 5, "ts": 1.5, "rank": 0}  # a fixture's, the bench's trivial worker's
+    replica = {**STEP, "quorum": 3, "participants": 2, "replica_group": 1}  # a replica group's worker's
+    assert record(bare, StepRecord) is None and record(bare, StepProgressRecord) == bare
+    assert record(replica, StepProgressRecord) == replica
+    assert record({**bare, "step": "5"}, StepProgressRecord) is None
+    assert record({**bare, "loss": "0.5"}, StepProgressRecord) is None  # typed as the record types it
+    assert record({"event": "step", "ts": 1.5}, StepProgressRecord) is None
+    start = {"event": "worker_start", "attempt": 2, "pid": 7, "ts": 1.0}  # no backend
+    assert record(start, AttemptStartRecord) == start
+    assert records([start, bare], AttemptStartRecord) == [start]
+    single = {**start, "backend": None, "device": "cpu"}  # a single process has no process group (dist.py)
+    assert record(single, WorkerStartRecord) == single and record(start, WorkerStartRecord) is None
