@@ -299,3 +299,15 @@ def test_resume_reps_each_start_their_own_run_from_the_moved_copy(tmp_path: Path
         f"data.cache_dir={cache_dir}",
     )
     assert len(result["positions"]["50%"]["first_step_s"]["values"]) == 2
+
+
+def test_replicas_kills_each_group_once_and_the_ledger_holds(tmp_path: Path, cache_dir: Path) -> None:
+    pytest.importorskip("torchft")
+    result = bench(tmp_path, "replicas", "--faults", "2", "--config", "tiny", f"data.cache_dir={cache_dir}")
+    assert result["faults"] == 2 and len(result["per_fault"]) == 2
+    for name in ("survivor_s", "heal_s", "rejoin_s"):
+        assert positive(result[name])
+    for fault in result["per_fault"]:  # the survivors step before the killed group is back
+        assert fault["survivor_s"] < fault["rejoin_s"] and fault["heal_s"] <= fault["rejoin_s"]
+    assert result["ledger"] == {"ok": True, "retried_steps": result["ledger"]["retried_steps"], "problems": []}
+    assert result["committed_steps"] > 2 * 10
