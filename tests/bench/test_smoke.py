@@ -309,5 +309,9 @@ def test_replicas_kills_each_group_once_and_the_ledger_holds(tmp_path: Path, cac
         assert positive(result[name])
     for fault in result["per_fault"]:  # the survivors step before the killed group is back
         assert fault["survivor_s"] < fault["rejoin_s"] and fault["heal_s"] <= fault["rejoin_s"]
-    assert result["ledger"] == {"ok": True, "retried_steps": result["ledger"]["retried_steps"], "problems": []}
+    assert result["ledger"] == {
+        "ok": True,
+        "retried_steps": result["ledger"]["retried_steps"],
+        "problems": [],
+    }
     assert result["committed_steps"] > 2 * 10
