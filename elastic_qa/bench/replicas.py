@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         end_process(job, grace_s=60)
     intervals = [b[0] - a[0] for a, b in itertools.pairwise(steps) if b[1] == a[1] + 1]
     ledger = read_replica_ledger(run_dir)
-    # The newest step any group committed (the mark on disk may lag it by up to a second).
+    # The newest step any group committed.
     committed = max(
         (row["step"] for row in ledger if row.get("kind") == "commit" and row.get("committed")), default=0
     )
@@ -162,7 +162,13 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         "rejoin_s": summary([f["rejoin_s"] for f in faults]),
         "step_interval_s": statistics.median(intervals) if intervals else None,
         "committed_steps": committed,
-        "ledger": {"ok": verdict.ok, "retried_steps": verdict.retried, "problems": verdict.problems[:10]},
+        "ledger": {
+            "ok": verdict.ok,
+            "retried_steps": verdict.retried,
+            "discarded_steps": verdict.discarded,
+            "lineages": len(verdict.lineages),
+            "problems": verdict.problems[:10],
+        },
         "per_fault": faults,
         "config": args.config,
         "overrides": args.overrides,

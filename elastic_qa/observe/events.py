@@ -74,8 +74,9 @@ class Event(str, Enum):
     QUORUM = "quorum"
     HEAL = "heal"
     STEP_NOT_COMMITTED = "step_not_committed"
-    QUORUM_BEHIND = "quorum_behind"
-    TRAIN_DONE_ELSEWHERE = "train_done_elsewhere"
+    QUORUM_WITHOUT_STATE = "quorum_without_state"
+    LINEAGE = "lineage"
+    LINEAGE_DISCARDED = "lineage_discarded"
     # the replica-group launcher (agents/replicas.jsonl; replica/launch.py)
     LIGHTHOUSE_STARTED = "lighthouse_started"
     LIGHTHOUSE_EXIT = "lighthouse_exit"

@@ -144,8 +144,26 @@ class ReplicaManager:
         return bool(self.manager.should_commit())
 
     @property
-    def step(self) -> int:
+    def position(self) -> int:
+        """torchft's step counter, which the product uses as its position (replica/durable.py: lineage and
+        step in one number, so that torchft heals the groups of an older lineage from a newer one)."""
         return int(self.manager.current_step())
+
+    def set_position(self, position: int) -> None:
+        """Set torchft's step counter (a lineage claimed or restored: the position jumps)."""
+        self.manager.load_state_dict(
+            {"step": position, "batches_committed": self.manager.batches_committed()}
+        )
+
+    def sum_ints(self, values: Any) -> None:
+        """Sum a small int64 tensor over the quorum's groups in place (a failure is recorded, as above)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
+
+    def refuse_step(self, reason: str) -> None:
+        """Make this step's commit vote say no (torchft records the error; the next quorum starts over)."""
+        self.manager.report_error(RuntimeError(reason))
 
     def errored(self) -> str | None:
         error = self.manager.errored()

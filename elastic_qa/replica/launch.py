@@ -11,7 +11,8 @@ asks a peer for the training state) is made here and given to every group in the
 
 What the launcher writes, one JSON line each, to <run.dir>/agents/replicas.jsonl: `job_start` (groups,
 lighthouse), `lighthouse_started` (pid), `group_started` (group, pid), `group_exit` (group, code),
-`job_end` (exit_codes). It exits 0 when every group finished, 2 on bad input, else 1.
+`job_end` (exit_codes). It exits 0 when every group finished, 2 on bad input (a live job already holding
+the run's checkpoints among it: the launcher holds the run for the whole job, session/hold.py), else 1.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from elastic_qa.launcher import ON_LOOPBACK
 from elastic_qa.launcher.local import LOOPBACK, free_port
 from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
+from elastic_qa.liveness import this_process
 from elastic_qa.observe.events import Event
 from elastic_qa.replica.ft import lighthouse_command, require_torchft
+from elastic_qa.session.hold import RunHeldError, RunHold
 
 WORKER = "elastic_qa.replica.worker"
 KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
@@ -49,6 +53,7 @@ class ReplicaJob:
     def __init__(self, cfg: Config, config: str, overrides: list[str]) -> None:
         self.cfg, self.config, self.overrides = cfg, config, overrides
         self.run_dir = Path(cfg.run.dir)
+        self.job_id = f"replicas-{os.getpid()}-{int(time.time())}"  # every group's torchrun run id
         self.port = cfg.replica.lighthouse_port or free_port()
         self.lighthouse_address = f"http://{LOOPBACK}:{self.port}"
         self.lighthouse: subprocess.Popen | None = None
@@ -100,7 +105,7 @@ class ReplicaJob:
             sys.executable, "-m", ON_LOOPBACK, "torch.distributed.run",
             "--nnodes=1", f"--nproc_per_node={replica.nproc_per_group}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{free_port()}",
-            f"--rdzv_id=replica-group-{group}", "--rdzv_conf=is_host=1",
+            f"--rdzv_id={self.job_id}", "--rdzv_conf=is_host=1",
             f"--max-restarts={MAX_RESTARTS}", f"--monitor-interval={MONITOR_INTERVAL_S}",
             f"--local_addr={LOOPBACK}", "--module", ON_LOOPBACK, WORKER,
             "--config", self.config, *self.overrides,
@@ -122,6 +127,21 @@ class ReplicaJob:
         return process
 
     def run(self) -> int:
+        """Hold the run, start the Lighthouse and the groups, wait for the groups; the exit code."""
+        hold = RunHold(self.cfg.checkpoint_dir, self.job_id, str(self.run_dir))
+        hold.acquire([this_process().to_dict()])  # RunHeldError: another live job holds the run
+        hold.start_heartbeat()
+        code = EXIT_FAILED
+        try:
+            code = self._run()
+        finally:
+            if code == 0:
+                hold.release()
+            else:  # left behind: this process gone, a restart takes the run over at once
+                hold.stop_heartbeat()
+        return code
+
+    def _run(self) -> int:
         (self.run_dir / "agents").mkdir(parents=True, exist_ok=True)
         self.record(Event.JOB_START, groups=self.cfg.replica.groups, lighthouse=self.lighthouse_address)
         self.start_lighthouse()
@@ -163,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     job = ReplicaJob(cfg, args.config, args.overrides)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda got, _frame: sys.exit(128 + got))
-    return job.run()
+    try:
+        return job.run()
+    except RunHeldError as err:
+        print(f"elastic-qa: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except CheckpointError as err:  # holders/ is no real directory of the store (checkpoint/confined.py)
+        print(f"elastic-qa: checkpoint.dir={cfg.checkpoint_dir}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

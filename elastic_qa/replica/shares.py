@@ -55,7 +55,8 @@ def share_batch(
 
 
 class ReplicaLedger:
-    """One worker's ledger file: `share` lines before the cross-group sum, `commit` lines after the vote.
+    """One worker's ledger file: `share` lines before the cross-group sum, `commit` lines after the vote (the
+    same `try` number joins them), and a `lineage` line where this worker's group claims one.
     O_APPEND and one write per line: a killed worker leaves at most its last line torn."""
 
     def __init__(self, run_dir: str | Path, group: int, worker: int) -> None:
@@ -66,17 +67,26 @@ class ReplicaLedger:
         name = f"replica-group-{group:03d}.worker-{worker:03d}.pid-{os.getpid()}.{time.time_ns()}.jsonl"
         self._fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         self.group, self.worker = group, worker
+        self._try = 0
 
     def share(
         self, step: int, epoch: int, quorum: int, participants: int, rank: int, samples: list[int]
     ) -> None:
+        self._try += 1
         self._write(
             kind="share", step=step, epoch=epoch, quorum=quorum, participants=participants, rank=rank,
-            samples=samples,
+            samples=samples, attempt=self._try,
         )  # fmt: skip
 
-    def commit(self, step: int, quorum: int, committed: bool) -> None:
-        self._write(kind="commit", step=step, quorum=quorum, committed=committed)
+    def commit(self, step: int, quorum: int, committed: bool, lineage: int) -> None:
+        """The vote on the step this worker's last share line was of; `lineage`: the one it commits in."""
+        self._write(
+            kind="commit", step=step, quorum=quorum, committed=committed, lineage=lineage, attempt=self._try
+        )
+
+    def lineage(self, lineage: int, parent: int, from_step: int) -> None:
+        """This worker's group claimed `lineage`, continuing `parent` (0: none) after step `from_step`."""
+        self._write(kind="lineage", lineage=lineage, parent=parent, from_step=from_step)
 
     def _write(self, **fields: Any) -> None:
         line = json.dumps({"group": self.group, "worker": self.worker, **fields}, separators=(",", ":"))
@@ -87,7 +97,8 @@ class ReplicaLedger:
 
 
 def read_replica_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every replica ledger line of a run (torn lines of killed writers skipped)."""
+    """Every replica ledger line of a run, each with the name of its `file` (torn lines of killed writers
+    skipped)."""
     rows = []
     for path in sorted((Path(run_dir) / "ledger").glob("replica-group-*.jsonl")):
         for line in path.read_text().splitlines():
@@ -96,14 +107,16 @@ def read_replica_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
             if isinstance(row, dict):
-                rows.append(row)
+                rows.append({**row, "file": path.name})
     return rows
 
 
 @dataclass
 class Verdict:
     steps: int  # steps checked (1 .. steps)
-    retried: int = 0  # step attempts that did not commit and were trained again
+    retried: int = 0  # step attempts (step, quorum) that did not commit and were trained again
+    discarded: int = 0  # steps committed in lineages the final model does not descend from (a split's cost)
+    lineages: list[int] = field(default_factory=list)  # the final model's chain, newest first
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -111,33 +124,93 @@ class Verdict:
         return not self.problems
 
 
+Try = tuple[str, int]  # (ledger file, attempt number in it)
+
+
+def chain_of(
+    lineages: dict[int, tuple[int, int]], final: int, steps: int, problems: list[str]
+) -> list[tuple[int, int, int]]:
+    """The final model's lineages as (lineage, from_step, to_step) segments, newest first: each lineage's
+    committed steps from_step+1 .. to_step are the model's. A lineage without a record, a loop, or a chain
+    that does not reach step 0 is a problem."""
+    segments: list[tuple[int, int, int]] = []
+    lineage, to_step = final, steps
+    while lineage:
+        if lineage not in lineages:
+            problems.append(f"lineage {lineage} has no lineage line")
+            break
+        if any(seen == lineage for seen, _, _ in segments):
+            problems.append(f"the lineages loop at {lineage}")
+            break
+        parent, from_step = lineages[lineage]
+        if from_step > to_step:
+            problems.append(
+                f"lineage {lineage} starts after step {from_step}, past its child's start {to_step}"
+            )
+            break
+        segments.append((lineage, from_step, to_step))
+        lineage, to_step = parent, from_step
+    else:
+        if to_step != 0:
+            problems.append(f"the final model's lineages start at step {to_step}, not 0")
+    return segments
+
+
 def verify(
     rows: list[dict[str, Any]], num_samples: int, global_batch_size: int, seed: int, steps: int, workers: int
 ) -> Verdict:
-    """Whether steps 1..`steps` were each committed by exactly one quorum whose shares are exactly the step's
-    global batch (the ledger's lines `rows`, `workers` per group)."""
+    """Whether steps 1..`steps` of the final model's chain of lineages were each committed by exactly one
+    quorum whose shares are exactly the step's global batch (the ledger's lines `rows`, `workers` per
+    group). Steps committed in lineages off that chain (the losing side of a split) are counted, not faults:
+    the final model never saw them."""
     verdict = Verdict(steps)
-    committed: dict[int, set[int]] = defaultdict(set)
-    attempted: dict[int, set[int]] = defaultdict(set)
-    shares: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    lineages: dict[int, tuple[int, int]] = {}
+    shares: dict[Try, dict[str, Any]] = {}
+    committed: dict[tuple[int, int], list[Try]] = defaultdict(list)  # (lineage, step) -> its tries
+    failed: set[tuple[int, int]] = set()  # (step, quorum)
     for row in rows:
-        if row.get("kind") == "commit":
-            attempted[row["step"]].add(row["quorum"])
+        kind = row.get("kind")
+        if kind == "lineage":
+            record = (row["parent"], row["from_step"])
+            if lineages.setdefault(row["lineage"], record) != record:
+                verdict.problems.append(f"lineage {row['lineage']} recorded twice, differently")
+        elif kind == "share":
+            if (row["file"], row["attempt"]) in shares:
+                verdict.problems.append(f"step {row['step']}: a share line written twice ({row['file']})")
+            shares[row["file"], row["attempt"]] = row
+        elif kind == "commit":
             if row.get("committed") is True:
-                committed[row["step"]].add(row["quorum"])
-        elif row.get("kind") == "share":
-            shares[row["step"], row["quorum"]].append(row)
+                committed[row["lineage"], row["step"]].append((row["file"], row["attempt"]))
+            else:
+                failed.add((row["step"], row["quorum"]))
+    finals = sorted({lineage for lineage, step in committed if step == steps})
+    if len(finals) != 1:
+        verdict.problems.append(f"step {steps}: committed by {len(finals)} lineages ({finals}), not one")
+        return verdict
+    segments = chain_of(lineages, finals[0], steps, verdict.problems)
+    verdict.lineages = [lineage for lineage, _, _ in segments]
+    on_chain = {
+        (lineage, step) for lineage, low, high in segments for step in range(low + 1, high + 1)
+    }  # fmt: skip
+    committed_quorums = {
+        (step, shares[t]["quorum"]) for (_, step), ts in committed.items() for t in ts if t in shares
+    }
+    verdict.retried = len(failed - committed_quorums) + len(failed & committed_quorums)
+    verdict.discarded = len({key for key in committed if key not in on_chain and key[1] <= steps})
+    lineage_of = {step: lineage for lineage, step in on_chain}
     batches = itertools.islice(GlobalCursor(num_samples, global_batch_size, seed).batches(1), steps)
     for batch in batches:
-        quorums = committed.get(batch.step, set())
-        verdict.retried += len(attempted.get(batch.step, set()) - quorums)
+        if batch.step not in lineage_of:
+            continue  # the chain was broken: said above
+        tries = committed.get((lineage_of[batch.step], batch.step), [])
+        lines = [shares[t] for t in tries if t in shares]
+        quorums = sorted({row["quorum"] for row in lines})
         if len(quorums) != 1:
             verdict.problems.append(
-                f"step {batch.step}: committed by {len(quorums)} quorums ({sorted(quorums)}), not one"
+                f"step {batch.step}: committed by {len(quorums)} quorums ({quorums}) in lineage "
+                f"{lineage_of[batch.step]}, not one"
             )
             continue
-        quorum = next(iter(quorums))
-        lines = shares[batch.step, quorum]
         places = {(row["rank"], row["worker"]) for row in lines}
         participants = {row["participants"] for row in lines}
         if len(participants) != 1:
@@ -146,7 +219,7 @@ def verify(
             )
             continue
         expected = {(r, w) for r in range(participants.pop()) for w in range(workers)}
-        if places != expected or len(lines) != len(expected):
+        if places != expected or len(lines) != len(expected) or len(tries) != len(lines):
             verdict.problems.append(
                 f"step {batch.step}: shares of {sorted(places)}, expected {sorted(expected)}"
             )
@@ -158,7 +231,7 @@ def verify(
             )
         if any(row["epoch"] != batch.epoch for row in lines):
             verdict.problems.append(f"step {batch.step}: a share of another epoch")
-    beyond = sorted(step for step in committed if step > steps)
+    beyond = sorted(step for lineage, step in committed if step > steps and lineage in verdict.lineages)
     if beyond:
         verdict.problems.append(f"steps beyond {steps} committed: {beyond[:5]}")
     return verdict

@@ -12,6 +12,10 @@ starts them), with ELASTIC_QA_REPLICA_GROUP and TORCHFT_LIGHTHOUSE set. Each ste
 A group that loses a peer keeps training with the others: the vote of the step the peer died in says no,
 and the next quorum forms without it within about the Lighthouse's heartbeat timeout. torchrun restarts the
 dead group's workers, which heal from a live peer and join the next quorum.
+
+Durable state (replica/durable.py): each quorum trains in a lineage claimed in the checkpoint store, which
+fences the saves of the quorum rank 0 group; a group that holds no state and finds no peer that can hold one
+restores the newest verified checkpoint and starts a lineage from it.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ from elastic_qa.models import family_for
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.prep import prepare
+from elastic_qa.replica.durable import ReplicaCheckpoints, ReplicaPosition
 from elastic_qa.replica.ft import Quorum, ReplicaManager, require_torchft, safe_transport
 from elastic_qa.replica.heal import HealError, HealServer, fetch, heal_key
-from elastic_qa.replica.mark import CommitMark
 from elastic_qa.replica.shares import ReplicaLedger, share_batch, share_of
 from elastic_qa.step_holds import hold_after_step
 from elastic_qa.train_state import ResumeError, seed_step_rng, step_seed
@@ -51,10 +55,7 @@ from elastic_qa.train_state import ResumeError, seed_step_rng, step_seed
 GROUP_ENV = "ELASTIC_QA_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HEAL_HOST_ENV = "ELASTIC_QA_HEAL_HOST"  # the address peers reach this group's heal server at
-
-
-class JobDoneElsewhere(Exception):
-    """The other groups finished the job while this one was behind: nothing is left for it to train."""
+LINEAGE_FILE = "lineage"  # beside the checkpoint's files in a heal: where the sender's lineage began
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -91,15 +92,20 @@ class ReplicaTrainer:
             ctx.rank, ctx.world_size,
         )  # fmt: skip
         self.ledger = ReplicaLedger(cfg.run.dir, group, ctx.rank) if cfg.debug.sample_ledger else None
-        self.mark = CommitMark(cfg.run.dir)
+        self.durable = ReplicaCheckpoints(cfg, ctx, self.state, world)
         self._batches: GlobalBatchIterator | None = None  # the epoch's order from the cursor on
         self._batches_step = 0  # the step the iterator yields next
         self._next_batch: GlobalBatch | None = None  # the step in progress's (kept until it commits)
-        self.waiting_since = 0.0  # when this group found its quorum behind the job (0: it is not)
+        self.waiting_since = 0.0  # when this group, holding no state, began to wait for a peer (0: it is not)
+        self._quorum_key: tuple[int, int] | None = None  # (quorum id, participants) of the last step tried
+        self._claimed: int | None = None  # the lineage this group claimed for the current quorum
+        self._last_rank = 0  # this group's quorum rank at its last committed step
 
     # ---- the heal: the whole training state, to and from a live peer --------------------------------
     def _state_files(self) -> dict[str, Any]:
-        return self.state.state_dict({}, attempt=0)
+        files = self.state.state_dict({}, attempt=self.durable.lineage)
+        files[LINEAGE_FILE] = {"began_at": self.durable.began_at}
+        return files
 
     def _load_state(self, files: dict[str, Any]) -> None:
         """Apply a peer's state (fetched and checked by replica/heal.py); ResumeError when it does not fit."""
@@ -108,8 +114,12 @@ class ReplicaTrainer:
         step = int(trainer["counters"]["step"])
         loaded = LoadedCheckpoint(step, "a live peer", {}, files[MODEL_FILE], files[OPTIMIZER_FILE], trainer)
         self.state.load_state_dict(loaded)
+        lineage = self.state.saved_attempt
+        if lineage <= 0:
+            raise ResumeError(f"a live peer sent the state of step {step} without its lineage")
+        self.durable.adopt(lineage, int(files.get(LINEAGE_FILE, {}).get("began_at", step)))
         self.healed_from = before
-        self.log.info(Event.HEAL, step=step, from_step=before)
+        self.log.info(Event.HEAL, step=step, from_step=before, lineage=lineage)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -120,21 +130,25 @@ class ReplicaTrainer:
         )  # fmt: skip
         self.model.train()
         last_quorum: int | None = None
-        while state.step < state.end_step:
+        while state.step < state.end_step or not self.durable.lineage:
             started = time.perf_counter()
             quorum = self.manager.start_step()
             if quorum.quorum_id != last_quorum:
                 self.log.info(
                     Event.QUORUM, step=state.step, quorum=quorum.quorum_id, participants=quorum.participants,
-                    replica_rank=quorum.rank,
+                    replica_rank=quorum.rank, lineage=self.durable.lineage,
                 )  # fmt: skip
                 last_quorum = quorum.quorum_id
-            if self.manager.step != state.step:
+            position = ReplicaPosition.decode(self.manager.position)
+            if position != ReplicaPosition(self.durable.lineage, state.step):
                 raise RuntimeError(
-                    f"torchft is at step {self.manager.step}, the training state at {state.step}"
+                    f"torchft is at {position}, the training state at step {state.step} of lineage "
+                    f"{self.durable.lineage}"
                 )
-            if self._behind_the_job(quorum):
+            if not self.durable.lineage:
+                self._without_state(quorum)
                 continue
+            lineage = self._lineage_for(quorum)
             batch = self._batch()
             share = share_of(batch, quorum.participants, quorum.rank, self.ctx.world_size, self.ctx.rank)
             if self.ledger:
@@ -155,9 +169,10 @@ class ReplicaTrainer:
                 state.scaler,
             )
             total_loss = self._sum_across_groups(loss_sum)
+            agreed = self._agree_on_lineage(quorum, lineage)
             committed = self.manager.commit()
             if self.ledger:
-                self.ledger.commit(batch.step, quorum.quorum_id, committed)
+                self.ledger.commit(batch.step, quorum.quorum_id, committed, agreed)
             if not committed:
                 state.optimizer.zero_grad(set_to_none=True)
                 self.log.warning(
@@ -169,21 +184,32 @@ class ReplicaTrainer:
             grad_norm = optimizer_step(state, self.trained, cfg.train.grad_clip, norm_wanted=logged)
             state.complete_step(batch.step, batch.epoch, batch.global_count, int(step_batch.global_tokens))
             self._next_batch = None
-            writer = quorum.rank == 0 and self.ctx.rank == 0
-            if writer:
-                self.mark.advance(batch.step, final=batch.step == state.end_step)
-            if writer and logged:
+            if agreed != self.durable.lineage:
+                self.durable.adopt(agreed, batch.step - 1)
+                self.manager.set_position(ReplicaPosition(agreed, batch.step).encode())
+            writer = quorum.rank == 0
+            self._last_rank = quorum.rank
+            if writer and self.ctx.rank == 0 and logged:
                 seconds = time.perf_counter() - started
                 self.log.info(
                     Event.STEP, step=batch.step, epoch=batch.epoch, loss=total_loss / batch.global_count,
                     lr=state.scheduler.get_last_lr()[0], grad_norm=float(grad_norm or 0.0),
                     samples_per_s=batch.global_count / seconds if seconds > 0 else 0.0,
                     cursor=state.cursor.samples_consumed, quorum=quorum.quorum_id,
-                    participants=quorum.participants, replica_group=self.group,
+                    participants=quorum.participants, replica_group=self.group, lineage=agreed,
                 )  # fmt: skip
+            if writer and batch.step < state.end_step and self.durable.save_due(batch.step):
+                self.durable.save()
             self._after_step(batch.step)
+        # The last quorum's rank 0 group commits the final state; the others commit it only when it does not
+        # stand within the final save's retry window (that group died writing it).
+        writes_final = self._last_rank == 0
+        self.durable.save_final(0.0 if writes_final else cfg.checkpoint.final_retry_for.total_seconds())
         digest = params_digest(self.model)
-        self.log.info(Event.TRAIN_DONE, step=state.step, tokens_seen=state.tokens_seen, params_sha256=digest)
+        self.log.info(
+            Event.TRAIN_DONE, step=state.step, tokens_seen=state.tokens_seen, params_sha256=digest,
+            lineage=self.durable.lineage,
+        )  # fmt: skip
         return {"step": state.step, "params_sha256": digest}
 
     def _batch(self) -> GlobalBatch:
@@ -212,32 +238,61 @@ class ReplicaTrainer:
             offset += count
         return float(flat[offset])
 
-    def _behind_the_job(self, quorum: Quorum) -> bool:
-        """Whether this quorum must not train: it is behind the job's committed step (every member restarted
-        and none healed), or it is the job's first and not every group is in it yet (else the late group
-        heals at once). The next quorum is asked for after the join timeout, until one is right.
-        JobDoneElsewhere when the job reached its end step without this group."""
-        job_step, state = self.mark.read(), self.state
-        if job_step >= state.end_step > state.step:
-            raise JobDoneElsewhere(f"the job committed its last step {job_step} without this group")
-        behind = state.step < job_step
-        first = state.step == job_step == 0 and quorum.participants < self.cfg.replica.groups
-        if not (behind or first):
-            return False
+    def _without_state(self, quorum: Quorum) -> None:
+        """This group holds no lineage's state, and no member of its quorum does (torchft would have healed
+        it from one). Once no peer can hold one (every group of the job is in the quorum, or none joined it
+        within replica.quorum_timeout), the quorum's rank 0 group restores the newest verified checkpoint and
+        claims a lineage continuing from it; the quorum then trains nothing, and at the next one the others
+        heal from that group. Until then, the next quorum is asked for after the join timeout."""
+        now = time.monotonic()
         if not self.waiting_since:
-            self.waiting_since = time.monotonic()
-            if behind:
-                self.log.info(
-                    Event.QUORUM_BEHIND, step=state.step, job_step=job_step, quorum=quorum.quorum_id
-                )
-        if time.monotonic() - self.waiting_since > self.cfg.replica.quorum_timeout.total_seconds():
-            if first:
-                return False  # the groups that are here start without the others
-            raise RuntimeError(
-                f"no quorum with a replica group at the job's step {job_step} within replica.quorum_timeout"
+            self.waiting_since = now
+            self.log.info(
+                Event.QUORUM_WITHOUT_STATE, quorum=quorum.quorum_id, participants=quorum.participants
             )
+        waited = now - self.waiting_since
+        everyone = quorum.participants >= self.cfg.replica.groups
+        if quorum.rank == 0 and (everyone or waited > self.cfg.replica.quorum_timeout.total_seconds()):
+            lineage, parent, step = self.durable.bootstrap()
+            self.manager.set_position(ReplicaPosition(lineage, step).encode())
+            self._quorum_key, self._claimed = (quorum.quorum_id, quorum.participants), lineage
+            if self.ledger:
+                self.ledger.lineage(lineage, parent, step)
+            self.log.info(Event.LINEAGE, lineage=lineage, parent=parent, step=step, restored=step > 0)
+            return
         time.sleep(self.cfg.replica.join_timeout.total_seconds())  # a back-off before the next request
-        return True
+
+    def _lineage_for(self, quorum: Quorum) -> int:
+        """The lineage this quorum trains in, as this group sees it: a quorum that differs from the one of the
+        last step this group tried (another id or another number of members) starts a new lineage, which its
+        rank 0 group claims now; any other group proposes the lineage it holds (only rank 0's counts)."""
+        key = (quorum.quorum_id, quorum.participants)
+        if key != self._quorum_key:
+            self._quorum_key, self._claimed = key, None
+            if quorum.rank == 0:
+                self._claimed = self.durable.claim()
+                if self.ledger:
+                    self.ledger.lineage(self._claimed, self.durable.lineage, self.state.step)
+                self.log.info(
+                    Event.LINEAGE, lineage=self._claimed, parent=self.durable.lineage, step=self.state.step,
+                    quorum=quorum.quorum_id, participants=quorum.participants,
+                )  # fmt: skip
+        return self._claimed if self._claimed is not None else self.durable.lineage
+
+    def _agree_on_lineage(self, quorum: Quorum, lineage: int) -> int:
+        """Sum over the quorum: rank 0's lineage for this step, rank 0's current one, and every member's
+        current one. Every member must hold rank 0's (the heal put them at one position): else this step
+        must not commit. Returns the lineage the step commits in."""
+        mine = self.durable.lineage
+        values = torch.tensor([lineage, mine, mine] if quorum.rank == 0 else [0, 0, mine], dtype=torch.int64)
+        self.manager.sum_ints(values)
+        agreed, first, every = (int(v) for v in values)
+        if every != first * quorum.participants or agreed < first:
+            self.manager.refuse_step(
+                f"the quorum's members hold different lineages (sum {every}, rank 0's {first} x "
+                f"{quorum.participants})"
+            )
+        return agreed
 
     def _after_step(self, step: int) -> None:
         self.waiting_since = 0.0
@@ -247,6 +302,7 @@ class ReplicaTrainer:
         return step % self.cfg.log.every_steps == 0 or step == self.state.end_step
 
     def close(self) -> None:
+        self.durable.close()
         self.manager.shutdown()
         if self.ledger:
             self.ledger.close()
@@ -278,8 +334,6 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ReplicaTrainer(cfg, ctx, data, group, lighthouse)
         try:
             trainer.train()
-        except JobDoneElsewhere as done:
-            log.info(Event.TRAIN_DONE_ELSEWHERE, reason=str(done))
         finally:
             trainer.close()
     except (DataError, ResumeError, ConfigError, HealError) as err:

@@ -144,17 +144,24 @@ def test_a_killed_worker_heals_from_its_peer_and_the_groups_end_bitwise_equal(
     assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
 
 
-def test_a_restarted_group_whose_peers_are_gone_never_trains_the_job_again_from_step_zero(
+def group_pid(run_dir: Path, group: int) -> int:
+    """The pid of group `group`'s torchrun agent, as the launcher recorded it."""
+    records = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()]
+    return next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == group)
+
+
+def test_a_restarted_group_whose_peers_are_gone_resumes_from_the_durable_checkpoint(
     tmp_path: Path, cache_dir: Path
 ) -> None:
-    """Both groups held after step 10; group 0 is lost for good (its torchrun agent and worker killed) and
-    group 1's worker is killed: torchrun restarts it at step 0, alone, so the Lighthouse gives it quorums of
-    its own. Trained, it would commit steps 1.. a second time. It must find itself behind the job's
-    committed step and train nothing (with no durable checkpoint in this mode yet, the job cannot go on:
-    the note's largest gap)."""
+    """Both groups held after step 10 (checkpoints every 5 steps); group 0 is lost for good (its torchrun
+    agent and worker killed) and group 1's worker is killed: torchrun restarts it at step 0, alone. It must
+    not train the job again from step 0: it finds no peer within replica.quorum_timeout, restores the
+    checkpoint of step 10 in a new lineage and trains the job to its end, every window once."""
     run_dir, holds = tmp_path / "run", tmp_path / "holds"
     arm(holds, [10])
-    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
+    job = start(
+        run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5", "replica.quorum_timeout=3s"
+    )
     try:
         held = {
             group: wait_for(
@@ -165,28 +172,64 @@ def test_a_restarted_group_whose_peers_are_gone_never_trains_the_job_again_from_
             )
             for group in (0, 1)
         }
-        records = [
-            json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()
-        ]
-        kill_trees([next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 0)])
-        os.kill(held[1]["pid"], signal.SIGKILL)
-        first = wait_for(
-            run_dir, job, "the restarted group's first decision",
-            lambda e: e.get("replica_group") == 1
-            and e["pid"] != held[1]["pid"]
-            and e.get("event") in ("quorum_behind", "step"),
+        wait_for(
+            run_dir, job, "the checkpoint of step 10",
+            lambda e: e.get("event") == "checkpoint_committed" and e.get("step") == 10,
         )  # fmt: skip
-        assert first["event"] == "quorum_behind", first
-        assert first["step"] == 0 and first["job_step"] >= 1
+        kill_trees([group_pid(run_dir, 0)])
+        os.kill(held[1]["pid"], signal.SIGKILL)
+        release_all(holds)
+        assert finished(job) == 1  # group 0 failed; the job's work did not
     finally:
         release_all(holds)
-        job.terminate()
-        finished(job)
-    verdict = ledger_verdict(run_dir, cache_dir, steps=10)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    old = pids_before(held)
+    restored = [e for e in events if e.get("event") == "lineage" and e["pid"] not in old]
+    assert len(restored) == 1 and restored[0]["restored"] and restored[0]["step"] == 10, restored
+    assert next(e for e in events if e.get("event") == "resume" and e["pid"] not in old)["step"] == 10
+    again = [e["step"] for e in events if e.get("event") == "step" and e["pid"] not in old]
+    assert again and min(again) == 11 and max(again) == MAX_STEPS
+    verdict = ledger_verdict(run_dir, cache_dir)
     assert verdict.ok, verdict.problems
-    assert not [
-        e for e in read_events(run_dir) if e.get("event") == "step" and e["pid"] not in pids_before(held)
-    ]
+    assert len(verdict.lineages) == 2 and verdict.discarded == 0  # step 10 was durable: nothing lost
+
+
+def test_a_whole_job_killed_and_started_again_resumes_from_its_checkpoint(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The launcher, the Lighthouse and every group SIGKILLed after step 12 (checkpoints every 5 steps): a
+    second `elastic-qa replicas` on the run resumes at step 10, and the final model's chain of lineages
+    trains every window once; steps 11-12 of the killed job are the discarded work."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [12])
+    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
+    try:
+        for group in (0, 1):
+            wait_for(
+                run_dir, first, f"group {group} held at 12",
+                lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g,
+            )  # fmt: skip
+        wait_for(
+            run_dir, first, "the checkpoint of step 10",
+            lambda e: e.get("event") == "checkpoint_committed" and e.get("step") == 10,
+        )  # fmt: skip
+        kill_trees([first.pid, group_pid(run_dir, 0), group_pid(run_dir, 1)])
+        first.wait(timeout=60)
+    finally:
+        release_all(holds)
+        if first.poll() is None:
+            first.kill()
+    second = start(run_dir, cache_dir, "checkpoint.every_steps=5")
+    assert finished(second) == 0, second.stdout.read() if second.stdout else ""
+    resumes = [e for e in read_events(run_dir) if e.get("event") == "resume"]
+    assert [e["step"] for e in resumes] == [10], resumes
+    verdict = ledger_verdict(run_dir, cache_dir)
+    assert verdict.ok, verdict.problems
+    assert verdict.discarded == 2 and len(verdict.lineages) == 2, verdict
+    digests = final_digests(run_dir)
+    assert len(set(digests.values())) == 1, digests
 
 
 def pids_before(held: dict[int, dict]) -> set[int]:
@@ -204,12 +247,7 @@ def test_a_lost_group_leaves_the_survivor_training_to_the_end(tmp_path: Path, ca
             "group 1 held at 5",
             lambda e: e.get("event") == "hold" and e.get("replica_group") == 1,
         )
-        records = [
-            json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()
-        ]
-        kill_trees(
-            [next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 1)]
-        )  # its torchrun agent and worker
+        kill_trees([group_pid(run_dir, 1)])  # its torchrun agent and worker
         release(holds, 5)
         assert finished(job) == 1  # a group failed; the job's work did not
     finally:

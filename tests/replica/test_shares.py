@@ -89,21 +89,24 @@ class Attempt:
     quorum: int
     groups: list[int]  # the quorum's replica groups, in replica-rank order
     committed: bool
+    lineage: int  # the lineage the attempt commits in (each quorum claims its own)
 
 
 # Quorums change: 2 participants, then a failed attempt at step 3, retried by 1, then 3 participants.
 # 23 windows in batches of 5: steps 1..4 take 5 each, step 5 the 3 left (epoch 0), steps 6.. epoch 1.
 PLAN = [
-    Attempt(1, [0, 1], True),  # step 1
-    Attempt(1, [0, 1], True),  # step 2
-    Attempt(2, [1, 0], False),  # step 3, not committed: a peer failed during the sum
-    Attempt(3, [0], True),  # step 3 again, the same windows
-    Attempt(3, [0], True),  # step 4
-    Attempt(4, [0, 2, 3], True),  # step 5 (the short last batch of epoch 0)
-    Attempt(4, [0, 2, 3], True),  # step 6 (epoch 1)
-    Attempt(4, [0, 2, 3], True),  # step 7
+    Attempt(1, [0, 1], True, 1),  # step 1
+    Attempt(1, [0, 1], True, 1),  # step 2
+    Attempt(2, [1, 0], False, 2),  # step 3, not committed: a peer failed during the sum
+    Attempt(3, [0], True, 3),  # step 3 again, the same windows
+    Attempt(3, [0], True, 3),  # step 4
+    Attempt(4, [0, 2, 3], True, 4),  # step 5 (the short last batch of epoch 0)
+    Attempt(4, [0, 2, 3], True, 4),  # step 6 (epoch 1)
+    Attempt(4, [0, 2, 3], True, 4),  # step 7
 ]
 STEPS = 7
+# lineage -> (parent, the step it continues from), as each quorum's rank 0 group claims them
+LINEAGES = {1: (0, 0), 2: (1, 2), 3: (1, 2), 4: (3, 4)}
 
 
 class Job:
@@ -115,6 +118,7 @@ class Job:
         self.step = 0
         self.ledgers: dict[tuple[int, int], ReplicaLedger] = {}
         self.attempts: list[tuple[int, int, list[int]]] = []  # (step, quorum, windows of all its shares)
+        self.claimed: set[int] = set()
 
     def ledger(self, group: int, worker: int) -> ReplicaLedger:
         if (group, worker) not in self.ledgers:
@@ -126,6 +130,9 @@ class Job:
         cursor moves only when it commits. `batch`: trains that batch instead (a lineage of its own)."""
         batch = batch or next(self.cursor.batches(self.step + 1))
         participants = len(plan.groups)
+        if plan.lineage not in self.claimed and plan.lineage in LINEAGES:
+            self.claimed.add(plan.lineage)
+            self.ledger(plan.groups[0], 0).lineage(plan.lineage, *LINEAGES[plan.lineage])
         windows = []
         for rank, group in enumerate(plan.groups):
             for worker in range(WORKERS):
@@ -136,7 +143,7 @@ class Job:
                 )
         for group in plan.groups:
             for worker in range(WORKERS):
-                self.ledger(group, worker).commit(batch.step, plan.quorum, plan.committed)
+                self.ledger(group, worker).commit(batch.step, plan.quorum, plan.committed, plan.lineage)
         self.attempts.append((batch.step, plan.quorum, windows))
         if plan.committed:
             self.cursor.advance_to(batch.epoch, batch.global_count)
@@ -210,15 +217,46 @@ def test_the_failed_attempt_alone_would_not_count_as_the_step(rows: list[Row]) -
     assert_one_problem(check(committing), "step 3:", "committed by 0 quorums")
 
 
-def test_a_step_committed_by_two_quorums(tmp_path: Path) -> None:
-    def second_lineage(job: Job) -> None:
-        # a group that restarted alone trains step 2 again, in a quorum of its own, and commits it
+def test_a_step_committed_by_two_quorums_in_one_lineage(tmp_path: Path) -> None:
+    def same_lineage(job: Job) -> None:
+        # a group that restarted alone trains step 2 again in a quorum of its own, and commits it in the
+        # lineage it had (no claim: what the lineages exist to prevent)
         step_2 = epoch_batches(SAMPLES, BATCH, SEED)[1]
-        job.attempt(Attempt(9, [3], True), batch=step_2)
+        job.attempt(Attempt(9, [3], True, 1), batch=step_2)
 
-    job = run_job(tmp_path / "run", second_lineage)
+    job = run_job(tmp_path / "run", same_lineage)
     verdict = verify(read_replica_ledger(job.run_dir), SAMPLES, BATCH, SEED, STEPS, WORKERS)
-    assert_one_problem(verdict.problems, "step 2:", "committed by 2 quorums", "[1, 9]")
+    assert_one_problem(verdict.problems, "step 2:", "committed by 2 quorums", "[1, 9]", "lineage 1")
+
+
+def test_a_step_committed_again_in_a_discarded_lineage_is_counted_not_a_fault(tmp_path: Path) -> None:
+    """Two quorums at once (a restarted Lighthouse): the side that claimed lineage 9 after step 1 commits
+    step 2 again; the final model descends from the other side, so that step is discarded work."""
+
+    def split(job: Job) -> None:
+        LINEAGES[9] = (1, 1)
+        try:
+            step_2 = epoch_batches(SAMPLES, BATCH, SEED)[1]
+            job.attempt(Attempt(9, [3], True, 9), batch=step_2)
+        finally:
+            del LINEAGES[9]
+
+    job = run_job(tmp_path / "run", split)
+    verdict = verify(read_replica_ledger(job.run_dir), SAMPLES, BATCH, SEED, STEPS, WORKERS)
+    assert verdict.ok, verdict.problems
+    assert verdict.discarded == 1 and verdict.lineages == [4, 3, 1]
+
+
+def test_a_chain_through_a_lineage_without_its_record(rows: list[Row]) -> None:
+    without = [r for r in rows if not (r["kind"] == "lineage" and r["lineage"] == 3)]
+    assert "lineage 3 has no lineage line" in check(without)
+
+
+def test_the_final_model_must_descend_from_step_zero(rows: list[Row]) -> None:
+    rows = copy.deepcopy(rows)
+    next(r for r in rows if r["kind"] == "lineage" and r["lineage"] == 1)["from_step"] = 1
+    problems = check(rows)
+    assert any("start at step 1, not 0" in p for p in problems), problems
 
 
 def test_a_step_never_committed(rows: list[Row]) -> None:
@@ -228,7 +266,7 @@ def test_a_step_never_committed(rows: list[Row]) -> None:
 
 def test_a_step_past_the_last_commit_was_never_committed(rows: list[Row]) -> None:
     problems = check(rows, steps=STEPS + 1)
-    assert_one_problem(problems, f"step {STEPS + 1}:", "committed by 0 quorums")
+    assert_one_problem(problems, f"step {STEPS + 1}:", "committed by 0 lineages")
 
 
 def test_a_missing_share_line_of_the_committing_quorum(rows: list[Row]) -> None:
@@ -245,7 +283,7 @@ def test_a_missing_share_line_of_the_attempt_that_failed_does_not_matter(rows: l
 
 def test_a_share_line_written_twice(rows: list[Row]) -> None:
     again = lines(rows, "share", 2, quorum=1)[0]
-    assert_one_problem(check([*rows, dict(again)]), "step 2:", "shares of")
+    assert_one_problem(check([*rows, dict(again)]), "step 2:", "written twice")
 
 
 def test_a_window_of_another_step_in_a_share(rows: list[Row]) -> None:
@@ -320,14 +358,14 @@ def test_a_killed_writer_leaves_only_its_torn_line_behind(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     ledger = ReplicaLedger(run_dir, 0, 0)
     ledger.share(1, 0, 1, 1, 0, [3, 1])
-    ledger.commit(1, 1, True)
+    ledger.commit(1, 1, True, 1)
     ledger.close()
     path = next((run_dir / "ledger").iterdir())
     text = path.read_text()
     path.write_text(text[: len(text) - 5])  # the commit line torn
     assert read_replica_ledger(run_dir) == [
         {"group": 0, "worker": 0, "kind": "share", "step": 1, "epoch": 0, "quorum": 1, "participants": 1,
-         "rank": 0, "samples": [3, 1]},
+         "rank": 0, "samples": [3, 1], "attempt": 1, "file": path.name},
     ]  # fmt: skip
 
 
