@@ -312,6 +312,9 @@ def test_replicas_kills_each_group_once_and_the_ledger_holds(tmp_path: Path, cac
     assert result["ledger"] == {
         "ok": True,
         "retried_steps": result["ledger"]["retried_steps"],
+        "discarded_steps": 0,  # no split: every committed step is the final model's
+        "lineages": result["ledger"]["lineages"],
         "problems": [],
     }
+    assert result["ledger"]["lineages"] >= 3  # the first, then one per quorum change (at least one a kill)
     assert result["committed_steps"] > 2 * 10
