@@ -239,6 +239,12 @@ class Checkpointer:
         """A newer attempt has registered: this writer may never commit again."""
         return isinstance(self._fatal, StaleWriterError)
 
+    def forget_fence(self) -> None:
+        """This writer now holds the newer attempt's state (the replica mode's heal from a peer of a newer
+        lineage): the refusal of its old one no longer applies. Storage failures stay as they were."""
+        if self.fenced:
+            self._fatal = None
+
     @property
     def failing(self) -> bool:
         """The last save failed (a storage error): the caller may retry sooner than its timer says."""

@@ -77,6 +77,7 @@ class Event(str, Enum):
     QUORUM_WITHOUT_STATE = "quorum_without_state"
     LINEAGE = "lineage"
     LINEAGE_DISCARDED = "lineage_discarded"
+    LINEAGE_FENCED = "lineage_fenced"
     # the replica-group launcher (agents/replicas.jsonl; replica/launch.py)
     LIGHTHOUSE_STARTED = "lighthouse_started"
     LIGHTHOUSE_EXIT = "lighthouse_exit"

@@ -92,6 +92,7 @@ class ReplicaCheckpoints:
         self.lineage = 0  # 0: this group holds no lineage's state yet
         self.began_at = 0  # the step the lineage continues from
         self._started_schedule = False
+        self._said_fenced = False
 
     # ---- lineages -----------------------------------------------------------------------------------
     def bootstrap(self) -> tuple[int, int, int]:
@@ -124,6 +125,8 @@ class ReplicaCheckpoints:
 
     def adopt(self, lineage: int, began_at: int) -> None:
         """This group now trains in `lineage` (claimed, or healed from a peer), continuing from `began_at`."""
+        if lineage > self.lineage:  # a save of the older lineage refused by the fence is no fault of this one
+            self.context.checkpointer.forget_fence()
         self.lineage, self.began_at = lineage, began_at
         self.context.attempt = self.context.fence.attempt = lineage
         update_identity(attempt=lineage)
@@ -142,7 +145,15 @@ class ReplicaCheckpoints:
         return decide_on_rank0(self.ctx, self.group, decide, SaveNow).due
 
     def save(self) -> None:
-        """A periodic checkpoint of the committed step (async; fenced at commit by the lineage)."""
+        """A periodic checkpoint of the committed step (async; fenced at commit by the lineage). Once the
+        fence refused one, this lineage has lost to a newer one: it saves no more and trains on until its
+        groups meet the newer lineage's and heal from it (adopt forgets the refusal)."""
+        if self.context.checkpointer.fenced:
+            if not self._said_fenced:
+                self._said_fenced = True
+                self.log.warning(Event.LINEAGE_FENCED, lineage=self.lineage, step=self.state.step)
+            return
+        self._said_fenced = False
         self._drop_other_lineages()
         self.session.save("periodic")
 

@@ -111,11 +111,16 @@ class ReplicaJob:
             "--config", self.config, *self.overrides,
         ]  # fmt: skip
 
+    def lighthouse_for(self, group: int) -> str:
+        """The Lighthouse address group `group` asks for its quorums (the job's one; a test of a partition
+        gives a group another)."""
+        return self.lighthouse_address
+
     def start_group(self, group: int) -> subprocess.Popen:
         env = {
             **self.env,
             "ELASTIC_QA_REPLICA_GROUP": str(group),
-            "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+            "TORCHFT_LIGHTHOUSE": self.lighthouse_for(group),
         }
         out = open(self.run_dir / "agents" / f"group-{group}.log", "ab")  # noqa: SIM115 (the child's)
         with out:

@@ -116,12 +116,21 @@ class Verdict:
     steps: int  # steps checked (1 .. steps)
     retried: int = 0  # step attempts (step, quorum) that did not commit and were trained again
     discarded: int = 0  # steps committed in lineages the final model does not descend from (a split's cost)
-    lineages: list[int] = field(default_factory=list)  # the final model's chain, newest first
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # the final model's chain (chain_of)
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def lineages(self) -> list[int]:
+        """The final model's lineages, newest first."""
+        return [lineage for lineage, _, _ in self.segments]
+
+    def on_chain(self, lineage: int, step: int) -> bool:
+        """Whether step `step` of `lineage` is one the final model descends from."""
+        return any(name == lineage and low <= step <= high for name, low, high in self.segments)
 
 
 Try = tuple[str, int]  # (ledger file, attempt number in it)
@@ -187,8 +196,7 @@ def verify(
     if len(finals) != 1:
         verdict.problems.append(f"step {steps}: committed by {len(finals)} lineages ({finals}), not one")
         return verdict
-    segments = chain_of(lineages, finals[0], steps, verdict.problems)
-    verdict.lineages = [lineage for lineage, _, _ in segments]
+    segments = verdict.segments = chain_of(lineages, finals[0], steps, verdict.problems)
     on_chain = {
         (lineage, step) for lineage, low, high in segments for step in range(low + 1, high + 1)
     }  # fmt: skip

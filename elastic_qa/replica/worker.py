@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_qa.checkpoint.errors import StaleWriterError
 from elastic_qa.checkpoint.manager import LoadedCheckpoint
 from elastic_qa.checkpoint.payload import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
@@ -38,7 +39,7 @@ from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalBatch, GlobalBatchIterator
 from elastic_qa.data.examples import DataError
 from elastic_qa.dist import DistContext, init_distributed, set_threads, shutdown, unwrap
-from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from elastic_qa.loop.model import build_trained_model, new_train_state
 from elastic_qa.loop.step import accumulate_gradients, autocast_dtype, optimizer_step
 from elastic_qa.models import family_for
@@ -282,12 +283,13 @@ class ReplicaTrainer:
     def _agree_on_lineage(self, quorum: Quorum, lineage: int) -> int:
         """Sum over the quorum: rank 0's lineage for this step, rank 0's current one, and every member's
         current one. Every member must hold rank 0's (the heal put them at one position): else this step
-        must not commit. Returns the lineage the step commits in."""
+        must not commit (a sum that failed says nothing: the vote says no anyway). Returns the lineage the
+        step commits in."""
         mine = self.durable.lineage
         values = torch.tensor([lineage, mine, mine] if quorum.rank == 0 else [0, 0, mine], dtype=torch.int64)
         self.manager.sum_ints(values)
         agreed, first, every = (int(v) for v in values)
-        if every != first * quorum.participants or agreed < first:
+        if self.manager.errored() is None and (every != first * quorum.participants or agreed < first):
             self.manager.refuse_step(
                 f"the quorum's members hold different lineages (sum {every}, rank 0's {first} x "
                 f"{quorum.participants})"
@@ -340,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error(Event.BAD_INPUT, error=str(err))
         print(f"elastic-qa: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StaleWriterError as err:  # this group's lineage lost to a newer one: torchrun starts it again
+        log.error(Event.LINEAGE_FENCED, error=str(err))
+        print(f"elastic-qa: {err}; this group restarts and heals from the newer lineage", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         shutdown()
     return 0

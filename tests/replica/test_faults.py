@@ -1,0 +1,294 @@
+"""The replica mode's own faults, with real Lighthouses, real torchrun jobs and real signals by pid.
+
+- A partition: group 1 asks a second Lighthouse (through a TCP proxy the test switches) while group 0
+  keeps the job's, so each side forms quorums of its own and trains steps 11-20 in a lineage of its own; the
+  proxy then sends group 1 back. Only one lineage may end in the final model and in the checkpoints.
+- A stalled replica: group 0's worker SIGSTOPped past the collective timeout while group 1 trains on, then
+  SIGCONTed: it must not commit a step the quorum moved past, nor leave a checkpoint of its own lineage.
+- The Lighthouse SIGKILLed mid-run: the launcher starts it again at the same address and the job ends with
+  every window trained once.
+
+Every test ends with the same checks: the ledger's chain of lineages holds (every window of the final
+model once), every checkpoint left in the rotation is a state of that chain, and the groups end bitwise
+equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.config import resolve_config
+from elastic_qa.observe.follow import read_events
+from elastic_qa.replica.ft import lighthouse_command
+from elastic_qa.replica.launch import ReplicaJob
+from elastic_qa.replica.shares import Verdict
+from elastic_qa.step_holds import arm, release, release_all
+from tests.replica.test_replica_job import (
+    MAX_STEPS,
+    final_digests,
+    finished,
+    ledger_verdict,
+    overrides,
+    start,
+    wait_for,
+)
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.integration
+
+LOOPBACK = "127.0.0.1"
+
+
+def launcher_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "agents" / "replicas.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def worker_pid(run_dir: Path, group: int) -> int:
+    """The pid of group `group`'s newest worker."""
+    starts = [
+        e for e in read_events(run_dir) if e.get("event") == "worker_start" and e["replica_group"] == group
+    ]
+    return starts[-1]["pid"]
+
+
+def check_the_end(run_dir: Path, cache: Path) -> Verdict:
+    """The checks every fault test ends with: the ledger, the rotation, the final parameters."""
+    verdict = ledger_verdict(run_dir, cache)
+    assert verdict.ok, verdict.problems
+    store = open_store(str(run_dir / "checkpoints"))
+    steps = store.list_steps()
+    assert steps and steps[-1].step == MAX_STEPS
+    for info in steps:
+        manifest = store.read_manifest(info.path)
+        assert verdict.on_chain(manifest["attempt"], info.step), (info.step, manifest["attempt"], verdict)
+    digests = final_digests(run_dir)
+    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+    return verdict
+
+
+# ---- a partition ----------------------------------------------------------------------------------
+
+
+class SwitchingProxy:
+    """A TCP proxy on the loopback to one port, then (switch) to another: the connections open at the
+    switch are cut, so a gRPC client reconnects, to the new port. Real sockets, one thread per direction."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.listener = socket.create_server((LOOPBACK, 0))
+        self.port = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((LOOPBACK, self.target), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self.lock:
+                self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def switch(self, target: int) -> None:
+        with self.lock:
+            self.target, cut, self.open = target, self.open, []
+        for connection in cut:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.switch(self.target)
+
+
+class PartitionedJob(ReplicaJob):
+    """The launcher, with group 1 asking for its quorums through `proxy_port`."""
+
+    proxy_port = 0
+
+    def lighthouse_for(self, group: int) -> str:
+        return f"http://{LOOPBACK}:{self.proxy_port}" if group == 1 else self.lighthouse_address
+
+
+def start_lighthouse(port: int, settings: Any, log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        process = subprocess.Popen(lighthouse_command(port, settings, LOOPBACK), stdout=out, stderr=out)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex((LOOPBACK, port)) == 0:
+                return process
+        assert process.poll() is None, log.read_text()
+        time.sleep(0.02)
+    raise TimeoutError("the second Lighthouse did not listen")
+
+
+class Running:
+    """A job run by this process's own launcher object in a thread, as `wait_for` expects a process."""
+
+    def __init__(self, job: ReplicaJob) -> None:
+        self.returncode: int | None = None
+        self.stdout = None
+        self.thread = threading.Thread(target=self._run, args=(job,), daemon=True)
+        self.thread.start()
+
+    def _run(self, job: ReplicaJob) -> None:
+        self.returncode = job.run()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        self.thread.join(timeout)
+        return self.returncode
+
+
+def held(run_dir: Path, job: Any, step: int, groups: tuple[int, ...] = (0, 1)) -> None:
+    for group in groups:
+        wait_for(
+            run_dir, job, f"group {group} held at {step}",
+            lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g and e["step"] == step,
+        )  # fmt: skip
+
+
+def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10, 20])
+    extra = (f"debug.hold_dir={holds}", "checkpoint.every_steps=5", "replica.quorum_timeout=120s")
+    cfg = resolve_config("tiny", overrides(run_dir, cache_dir, *extra))
+    (run_dir / "agents").mkdir(parents=True)
+    job = PartitionedJob(cfg, "tiny", overrides(run_dir, cache_dir, *extra))
+    proxy = SwitchingProxy(job.port)
+    job.proxy_port = proxy.port
+    second_port = job.port
+    while second_port == job.port:
+        with socket.socket() as free:
+            free.bind((LOOPBACK, 0))
+            second_port = free.getsockname()[1]
+    second = start_lighthouse(second_port, cfg.replica, tmp_path / "second-lighthouse.log")
+    running = Running(job)
+    try:
+        held(run_dir, running, 10)
+        proxy.switch(second_port)  # the partition: group 1 now sees only the second Lighthouse
+        release(holds, 10)
+        held(run_dir, running, 20)  # each side trained 11..20 in quorums of its own
+        proxy.switch(job.port)  # the partition heals
+        release(holds, 20)
+        assert running.wait(timeout=240) == 0
+    finally:
+        release_all(holds)
+        proxy.close()
+        second.kill()
+        second.wait()
+        if running.poll() is None:
+            job.stopping.set()
+            for process in job.groups.values():
+                process.kill()
+    events = read_events(run_dir)
+    alone = {e["replica_group"] for e in events if e.get("event") == "quorum" and e["step"] == 10}
+    assert alone == {0, 1}  # both sides formed quorums after the partition
+    verdict = check_the_end(run_dir, cache_dir)
+    assert verdict.discarded == 10, verdict  # the losing side's steps 11..20
+    winner = verdict.segments[-2][0]  # the lineage that continues from step 10 in the final model
+    healed = [e for e in events if e.get("event") == "heal" and e["step"] >= 20]
+    assert len(healed) == 1 and healed[0]["lineage"] >= winner, healed
+    # The losing side's saves past step 10: refused by the fence, or discarded by the winner's first save.
+    assert {e["event"] for e in events} & {"checkpoint_fenced", "lineage_fenced", "lineage_discarded"}
+
+
+# ---- a stalled replica ----------------------------------------------------------------------------
+
+
+def test_a_stalled_replica_commits_nothing_the_quorum_moved_past(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [8])
+    job = start(
+        run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=3", "debug.save_delay=50ms",
+        "replica.collective_timeout=3s",
+    )  # fmt: skip
+    try:
+        held(run_dir, job, 8)
+        stalled = worker_pid(run_dir, 0)
+        os.kill(stalled, signal.SIGSTOP)
+        release(holds, 8)
+        wait_for(
+            run_dir, job, "group 1 training alone",
+            lambda e: e.get("event") == "step" and e.get("replica_group") == 1 and e["participants"] == 1
+            and e["step"] >= 14,
+        )  # fmt: skip
+        woken = time.time()
+        os.kill(stalled, signal.SIGCONT)
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    heal = [e for e in events if e.get("event") == "heal" and e["pid"] == stalled]
+    assert heal and heal[0]["step"] >= 14  # the same process, healed from the lineage that moved on
+    verdict = check_the_end(run_dir, cache_dir)
+    assert verdict.discarded == 0  # the stalled group committed nothing of its own
+    for event in events:
+        if event.get("event") == "checkpoint_committed" and event["pid"] == stalled and event["ts"] > woken:
+            assert verdict.on_chain(event["attempt"], event["step"]), event
+
+
+# ---- the Lighthouse killed ------------------------------------------------------------------------
+
+
+def test_a_killed_lighthouse_is_started_again_and_the_job_ends_whole(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10])
+    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
+    try:
+        held(run_dir, job, 10)
+        first = next(e for e in launcher_records(run_dir) if e["event"] == "lighthouse_started")
+        os.kill(first["pid"], signal.SIGKILL)
+        started_again: Callable[[], bool] = lambda: any(  # noqa: E731
+            e["event"] == "lighthouse_started" and e["pid"] != first["pid"] for e in launcher_records(run_dir)
+        )
+        wait_for(run_dir, job, "the Lighthouse started again", lambda e: started_again())
+        release(holds, 10)
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if job.poll() is None:
+            job.kill()
+    records = launcher_records(run_dir)
+    assert [e["port"] for e in records if e["event"] == "lighthouse_started"] == [first["port"]] * 2
+    check_the_end(run_dir, cache_dir)
+    together = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 10]
+    assert together and together[-1]["participants"] == 2
