@@ -1,7 +1,8 @@
 """goodput: how much training a job keeps under a steady failure rate, against torchrun's floor and torchft.
 
     elastic-qa bench goodput --mtbf 30s --faults 30 --kinds kill-worker,kill-node,term-node \\
-        [--sides product,bare,torchft] [--seed S] [--parallel] [--config tiny] [--out JSON] [key=value ...]
+        [--sides product,bare,torchft,replicas] [--seed S] [--parallel] [--config tiny] [--out JSON] \\
+        [key=value ...]
 
 Fault times are drawn up front from --seed: exponential gaps of mean --mtbf, counted from each side's first
 completed step, then one more gap marks the end of the run (so the run is N faults of a Poisson process,
@@ -25,6 +26,11 @@ Sides (one after another, or at the same time with --parallel):
   to lose: all its steps are committed.
 - torchft: elastic_qa.bench.torchft_side (2 replica groups of one process, torchft 0.2.0), skipped with
   the reason when torchft is not importable.
+- replicas: the product's replica-group mode (`elastic-qa replicas`, 2 groups, on torchft):
+  elastic_qa.bench.goodput_replicas. kill-worker only (nothing restarts a group whose agent died): with a
+  node kind in --kinds it is refused when asked for by --sides, and left out of the default sides with the
+  reason; likewise when torchft is not importable. Exactly-once is the replica ledger's check; a failed
+  check fails the run (exit 1).
 
 Figures per side: elastic_qa.bench.goodput_figures (effective training time, lost steps and time without
 a step per fault).
@@ -59,6 +65,7 @@ from elastic_qa.chaos.evidence import check_ledger, run_config
 from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
+from elastic_qa.exits import UsageError
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.events import StepProgressRecord, records
@@ -68,7 +75,8 @@ from elastic_qa.prep import prepare
 
 KINDS = ("kill-worker", "kill-node", "term-node")
 NODE_KINDS = frozenset({"kill-node", "term-node"})
-SIDES = ("product", "bare", "torchft")
+SIDES = ("product", "bare", "torchft", "replicas")
+NEEDS_TORCHFT = ("torchft", "replicas")
 TRIVIAL = "elastic_qa.bench.trivial_worker"
 RETRY_EVERY_S = 0.2
 # The product logs every step with the ledger on, and never ends on its own.
@@ -91,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kinds", type=choice_list(KINDS), default=list(KINDS), help=f"{','.join(KINDS)} (default all)"
     )
     parser.add_argument(
-        "--sides", type=choice_list(SIDES), default=list(SIDES), help=f"{','.join(SIDES)} (default all)"
+        "--sides",
+        type=choice_list(SIDES),
+        default=None,
+        help=f"{','.join(SIDES)} (default all; replicas only with --kinds kill-worker)",
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the fault times and kinds (default 0)")
     parser.add_argument("--parallel", action="store_true", help="run the sides at the same time")
@@ -118,6 +129,9 @@ def draw_plan(seed: int, mtbf_s: float, count: int, kinds: list[str]) -> Plan:
 
 # ---- sides ----------------------------------------------------------------------------------------------
 class Side(Protocol):
+    """A job under faults. A side may also define `recovered(last_fault) -> bool` (the run's end: it is
+    over the last fault); without it, a group that started after the last fault has trained."""
+
     name: str
 
     def start(self) -> None: ...
@@ -270,6 +284,10 @@ def make_side(name: str, run_dir: Path, args: argparse.Namespace) -> Side:
         from elastic_qa.bench.torchft_side import TorchftSide
 
         return TorchftSide(run_dir, args.config, args.overrides, args.seed, args.timeout)
+    if name == "replicas":
+        from elastic_qa.bench.goodput_replicas import ReplicaSide
+
+        return ReplicaSide(run_dir, args.config, args.overrides, args.seed, args.timeout)
     return LauncherSide(name, run_dir, args.config, args.overrides, args.seed, args.timeout)
 
 
@@ -322,11 +340,10 @@ def drive(side: Side, plan: Plan, timeout: float) -> dict[str, Any]:
         sleep_until(first + plan.end_s)
         landed = [r["ts"] for r in records if "ts" in r]
         last = max(landed, default=first)
-        wait_for(
-            lambda: max(group_starts(side.steps()).values()) > last,
-            timeout,
-            f"{side.name}: a step of a group started after the last fault",
+        recovered: Callable[[float], bool] = getattr(side, "recovered", None) or (
+            lambda since: max(group_starts(side.steps()).values()) > since
         )
+        wait_for(lambda: recovered(last), timeout, f"{side.name}: recovered from the last fault")
     finally:
         side.stop()
     steps = side.steps()
@@ -351,16 +368,34 @@ def torchft_missing() -> str | None:
     return None
 
 
+def choose_sides(asked: list[str] | None, kinds: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The sides to run and those skipped with why. The replica side takes kill-worker only: asked for
+    by name with a node kind, that is a usage error; in the default sides, it is skipped."""
+    names = list(SIDES if asked is None else asked)
+    skipped: dict[str, str] = {}
+    if "replicas" in names and (node := sorted(NODE_KINDS & set(kinds))):
+        from elastic_qa.bench.goodput_replicas import UNSUPPORTED
+
+        why = f"{UNSUPPORTED}; run it with --kinds kill-worker"
+        if asked is not None:
+            raise UsageError(f"--sides replicas with --kinds {','.join(node)}: {why}")
+        skipped["replicas"] = why
+        names.remove("replicas")
+    missing = torchft_missing()
+    for name in NEEDS_TORCHFT:
+        if name in names and missing is not None:
+            skipped[name] = missing
+            names.remove(name)
+    return names, skipped
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bench_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
     mtbf_s = args.mtbf.total_seconds()
     plan = draw_plan(args.seed, mtbf_s, args.faults, args.kinds)
-    skipped: dict[str, str] = {}
-    names = list(args.sides)
-    if "torchft" in names and (why := torchft_missing()) is not None:
-        print(f"[goodput] torchft side skipped: {why}", flush=True)
-        skipped["torchft"] = why
-        names.remove("torchft")
+    names, skipped = choose_sides(args.sides, args.kinds)
+    for name, why in skipped.items():
+        print(f"[goodput] {name} side skipped: {why}", flush=True)
     print(
         f"[goodput] {len(plan.faults)} faults, mean gap {mtbf_s:g} s, run {plan.end_s:.0f} s per side "
         f"({'in parallel' if args.parallel else 'one after another'}): {', '.join(names)}",
@@ -406,6 +441,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "seed": args.seed,
             "parallel": args.parallel,
             "agents": 2,
+            "sides": names,
         },
         "plan": {"faults": [{"at_s": at, "kind": kind} for at, kind in plan.faults], "end_s": plan.end_s},
         "sides": results,
@@ -414,9 +450,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "failed": {name: str(err) for name, err in errors.items()},
     }
     failures = [f"{name}: {err}" for name, err in errors.items()]
-    ledger = results.get("product", {}).get("ledger")
-    if ledger is not None and not ledger["ok"]:
-        failures.append(f"product: the exactly-once check of the sample ledger failed: {ledger['problems']}")
+    for name in ("product", "replicas"):
+        ledger = results.get(name, {}).get("ledger")
+        if ledger is not None and not ledger["ok"]:
+            failures.append(
+                f"{name}: the exactly-once check of the sample ledger failed: {ledger['problems']}"
+            )
     if failures:
         if args.json:  # what was measured, and why it failed, stays on record
             write_json(args.json, result)
@@ -445,6 +484,8 @@ def print_summary(results: dict[str, dict[str, Any]], skipped: dict[str, str]) -
             extra = "ledger ok" if fig["ledger"]["ok"] else "LEDGER FAILED"
         if "samples" in fig:
             extra = f"repeated {fig['samples']['repeated']}, skipped {fig['samples']['skipped']}"
+        if fig.get("params", {}).get("equal") is not None:
+            extra += ", replicas equal" if fig["params"]["equal"] else ", REPLICAS DIFFER"
         rows.append(
             [
                 name,

@@ -1,15 +1,16 @@
 """The goodput figures of one side, computed from its step timeline and its fault times alone.
 
-A side (the product, the bare floor, torchft) is reduced to `Step` rows, one per completed step of one
-group (a product attempt, a bare worker process, a torchft replica process), and the wall times its faults
-were injected. From those:
+A side (the product, the bare floor, torchft, the replica mode) is reduced to `Step` rows, one per completed
+step of one group (a product attempt, a bare worker process, a torchft replica process, the process that
+wrote a replica-mode step line), and the wall times its faults were injected. From those:
 
 - window: from the first step to the last step of the run (process start-up before the first step is left
   out for every side alike; faults are timed from the first step).
 - committed steps: the steps of the final lineage completed inside the window. For each step number the
   newest completion counts once (a step trained, lost to a restore and trained again counts once), weighted
-  by the share of the global batch it trained (1 for the product and the bare floor; participants / 2 for
-  torchft, whose step with one live replica trains half the batch).
+  by the share of the global batch it trained (1 for the product, the bare floor and the replica mode, which
+  splits each step's global batch over whoever takes part; participants / 2 for torchft, whose step with one
+  live replica trains half the batch).
 - clean step time: the median interval between step n-1 and step n of the same group, leaving out the
   first WARMUP_STEPS steps of every group (a restarted process warming up), any interval that contains a
   fault, and steps that trained less than the full global batch (torchft with one live replica).
@@ -18,8 +19,9 @@ were injected. From those:
 - per fault: lost steps (sides that restore: a group that starts after the fault at step s discards what the
   group before it had reached past s - 1; sides without a restore pass theirs in) and time without a step:
   the longest interval between two consecutive steps (of any group) that ends after this fault and starts
-  before the next fault (or the end). A fault that falls inside the previous fault's stall shares that
-  interval with it.
+  before the next fault (or the end), leaving out the interval the next fault falls in unless this fault
+  falls in it too: that is the next fault's stall. A fault that falls inside the previous fault's stall
+  shares that interval with it.
 """
 
 from __future__ import annotations
@@ -110,7 +112,11 @@ def gap_per_fault(steps: Sequence[Step], faults: Sequence[float]) -> list[float 
     gaps: list[float | None] = []
     for index, fault in enumerate(faults):
         until = faults[index + 1] if index + 1 < len(faults) else float("inf")
-        spans = [end - start for start, end in intervals if end > fault and start < until]
+        spans = [
+            end - start
+            for start, end in intervals
+            if end > fault and start < until and (end <= until or start <= fault)
+        ]
         gaps.append(max(spans) if spans else None)
     return gaps
 
