@@ -537,8 +537,10 @@ class ReplicaConfig:
     join_timeout: timedelta = timedelta(milliseconds=500)
     """How long a quorum waits for a live replica group that has not asked for it yet."""
     quorum_timeout: timedelta = timedelta(seconds=30)
-    """A replica group holding no state that finds no peer to heal from within this long restores the newest
-    verified checkpoint in a new lineage (at once when every group of the job is in its quorum)."""
+    """A quorum request fails after this long (then, past quorum_retries, every group commits the state it
+    holds and restarts); a replica group holding no state that finds no peer to heal from within this long
+    restores the newest verified checkpoint in a new lineage (at once when every group of the job is in its
+    quorum)."""
     collective_timeout: timedelta = timedelta(seconds=10)
     """The gradient all-reduce across replica groups, the commit vote and the heal transfer time out
     after this long (a stalled peer costs at most this)."""

@@ -25,6 +25,7 @@ from elastic_qa.observe.log import get_logger
 
 POLL_S = 0.05
 HOLD, RELEASE, SAVE = "hold-", "release-", "save-"
+HEAL_HOLD, HEAL_RELEASE = "heal-hold-", "heal-release-"  # the replica mode: a peer's state being sent
 
 # hold_dir -> steps armed and not yet seen released by this process (listed once: armed before start).
 _pending: dict[str, list[int]] = {}
@@ -36,11 +37,12 @@ def _name(prefix: str, step: int) -> str:
     return f"{prefix}{step:08d}"
 
 
-def arm(hold_dir: Path, steps: Sequence[int], saves: Sequence[int] = ()) -> None:
-    """Driver side, before the job starts: hold the job after each of `steps`, and have it save a
-    checkpoint at each of `saves` (a save to hit: kill-during-save, released just before it)."""
+def arm(hold_dir: Path, steps: Sequence[int], saves: Sequence[int] = (), heals: Sequence[int] = ()) -> None:
+    """Driver side, before the job starts: hold the job after each of `steps`, have it save a checkpoint at
+    each of `saves` (a save to hit: kill-during-save, released just before it), and, in the replica mode,
+    hold the first heal a group serves at or after each of `heals` (kill-during-heal)."""
     hold_dir.mkdir(parents=True, exist_ok=True)
-    for prefix, chosen in ((HOLD, steps), (SAVE, saves)):
+    for prefix, chosen in ((HOLD, steps), (SAVE, saves), (HEAL_HOLD, heals)):
         for step in chosen:
             (hold_dir / _name(prefix, step)).touch()
 
@@ -58,6 +60,13 @@ def release_all(hold_dir: Path) -> None:
     """Driver side, when the run is over: nothing may stay held (a process outliving its driver)."""
     for step in armed(hold_dir):
         release(hold_dir, step)
+    for step in armed(hold_dir, HEAL_HOLD):
+        (hold_dir / _name(HEAL_RELEASE, step)).touch()
+
+
+def release_heal(hold_dir: Path, step: int) -> None:
+    """Driver side: let the heal held at `step` go on."""
+    (hold_dir / _name(HEAL_RELEASE, step)).touch()
 
 
 def armed(hold_dir: Path, prefix: str = HOLD) -> list[int]:
@@ -110,3 +119,26 @@ def _wait_for_release(
             return
         time.sleep(POLL_S)
     log.info("hold_released", step=step, hold=hold, held_s=round(time.monotonic() - started, 3))
+
+
+# hold_dir -> heal holds not yet passed by this process
+_heals: dict[str, list[int]] = {}
+
+
+def hold_before_heal(cfg: Config, step: int) -> None:
+    """Sender side of a heal, before the state leaves: wait for the release of every armed heal hold <= `step`
+    (bounded by debug.hold_timeout, as the step holds). Logged `hold` with `heal: true`."""
+    if not cfg.debug.hold_dir:
+        return
+    hold_dir = Path(cfg.debug.hold_dir)
+    pending = _heals.setdefault(cfg.debug.hold_dir, armed(hold_dir, HEAL_HOLD))
+    log = get_logger()
+    while pending and pending[0] <= step:
+        hold = pending.pop(0)
+        released = hold_dir / _name(HEAL_RELEASE, hold)
+        log.info(
+            "hold", step=step, hold=hold, heal=True, waiting_for=str(released), released=released.exists()
+        )
+        deadline = time.monotonic() + cfg.debug.hold_timeout.total_seconds()
+        while not released.exists() and time.monotonic() < deadline:
+            time.sleep(POLL_S)

@@ -1,6 +1,6 @@
 """replicas: the replica-group mode under worker kills: what a fault costs the survivors and the killed group.
 
-    elastic-qa bench replicas [--faults 10] [--config tiny] [key=value ...]
+    elastic-qa bench replicas [--faults 10] [--target worker|lighthouse] [--config tiny] [key=value ...]
 
 One job of 2 replica groups (`elastic-qa replicas`, one worker each) trains while the benchmark SIGKILLs the
 worker of one group, then of the other, `--faults` times; each kill waits until the previous one's group has
@@ -12,12 +12,19 @@ healed and both groups have committed a step together again. Per fault, from the
 
 and the median step interval without faults. At the end the sample ledger is checked: every committed step
 by exactly one quorum, its shares exactly its global batch (no window repeated, none skipped).
+
+`--target lighthouse` SIGKILLs the Lighthouse instead (the launcher starts it again at the same address);
+per fault: kill -> the first committed step, kill -> the Lighthouse started again, kill -> the first step
+committed by both groups; and the ledger's discarded steps (a restarted Lighthouse that gave each group a
+quorum of its own for a moment costs the losing lineage's steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import json
 import os
 import signal
 import statistics
@@ -44,12 +51,16 @@ from elastic_qa.prep import prepare
 from elastic_qa.replica.shares import read_replica_ledger, verify
 
 STEPS_BETWEEN = 10  # steps both groups commit together before the next kill
+SECOND_ROW = {"heal_s": "kill -> healed", "restart_s": "kill -> Lighthouse started again"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser("replicas", __doc__, reps=None)
     add_config_arguments(parser, "tiny")
-    parser.add_argument("--faults", type=positive_int, default=10, help="worker kills (default 10)")
+    parser.add_argument("--faults", type=positive_int, default=10, help="kills (default 10)")
+    parser.add_argument(
+        "--target", choices=("worker", "lighthouse"), default="worker", help="what each fault kills"
+    )
     parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for each recovery")
     return parser
 
@@ -75,6 +86,48 @@ class Watch:
                 raise BenchError(f"the replica job ended ({self.job.returncode}) while waiting for {what}")
             time.sleep(0.02)
         raise BenchError(f"no {what} within {self.timeout:.0f} s")
+
+
+def launcher_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "agents" / "replicas.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def kill_lighthouse(watch: Watch, run_dir: Path, faults: list[dict[str, float]]) -> float:
+    """SIGKILL the Lighthouse and time the job's way back; the time of the first step of both groups."""
+    first = [r for r in launcher_records(run_dir) if r.get("event") == Event.LIGHTHOUSE_STARTED][-1]
+    killed = time.time()
+    os.kill(first["pid"], signal.SIGKILL)
+    step = watch.until("a committed step", lambda e: e.get("event") == Event.STEP and e["ts"] > killed)
+
+    def restarted_record() -> dict[str, Any] | None:
+        return next(
+            (
+                r for r in launcher_records(run_dir)
+                if r.get("event") == Event.LIGHTHOUSE_STARTED and r.get("ts", 0) > killed
+            ),
+            None,
+        )  # fmt: skip
+
+    watch.until("the Lighthouse started again", lambda e: restarted_record() is not None)
+    restarted = restarted_record()
+    assert restarted is not None
+    rejoin = watch.until(
+        "a step of both groups",
+        lambda e: e.get("event") == Event.STEP and e.get("participants") == 2 and e["ts"] > restarted["ts"],
+    )
+    faults.append(
+        {
+            "survivor_s": step["ts"] - killed,
+            "restart_s": restarted["ts"] - killed,
+            "rejoin_s": rejoin["ts"] - killed,
+        }
+    )
+    return float(rejoin["ts"])
 
 
 def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
@@ -108,6 +161,9 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                     and e["step"] >= s + STEPS_BETWEEN
                 ),
             )
+            if args.target == "lighthouse":
+                since = kill_lighthouse(watch, run_dir, faults)
+                continue
             starts = [
                 e
                 for e in watch.events
@@ -155,10 +211,12 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         (row["step"] for row in ledger if row.get("kind") == "commit" and row.get("committed")), default=0
     )
     verdict = verify(ledger, windows, cfg.train.global_batch_size, cfg.run.seed, committed, 1)
+    second = "restart_s" if args.target == "lighthouse" else "heal_s"
     result = {
+        "target": args.target,
         "faults": len(faults),
         "survivor_s": summary([f["survivor_s"] for f in faults]),
-        "heal_s": summary([f["heal_s"] for f in faults]),
+        second: summary([f[second] for f in faults]),
         "rejoin_s": summary([f["rejoin_s"] for f in faults]),
         "step_interval_s": statistics.median(intervals) if intervals else None,
         "committed_steps": committed,
@@ -175,12 +233,15 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     }
     rows = [
         [name, f"{result[key]['median']:.3f}", f"{result[key]['min']:.3f}..{result[key]['max']:.3f}"]
-        for name, key in (("kill -> survivors' next step", "survivor_s"), ("kill -> healed", "heal_s"),
-                          ("kill -> both groups' step", "rejoin_s"))
+        for name, key in (("kill -> next committed step", "survivor_s"),
+                          (SECOND_ROW[second], second), ("kill -> both groups' step", "rejoin_s"))
     ]  # fmt: skip
     print_table(["per fault (s)", "median", "min..max"], rows)
     print(f"step interval without faults: {result['step_interval_s']:.4f} s; committed steps: {committed}")
-    print(f"ledger: {'ok' if verdict.ok else 'FAILED'} ({verdict.retried} step attempts retried)")
+    print(
+        f"ledger: {'ok' if verdict.ok else 'FAILED'} ({verdict.retried} step attempts retried, "
+        f"{verdict.discarded} committed steps discarded, {len(verdict.lineages)} lineages)"
+    )
     if not verdict.ok:
         raise BenchError("the ledger check failed: " + "; ".join(verdict.problems[:3]))
     return result

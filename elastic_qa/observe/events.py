@@ -78,6 +78,7 @@ class Event(str, Enum):
     LINEAGE = "lineage"
     LINEAGE_DISCARDED = "lineage_discarded"
     LINEAGE_FENCED = "lineage_fenced"
+    NO_QUORUM = "no_quorum"
     # the replica-group launcher (agents/replicas.jsonl; replica/launch.py)
     LIGHTHOUSE_STARTED = "lighthouse_started"
     LIGHTHOUSE_EXIT = "lighthouse_exit"
@@ -104,6 +105,7 @@ class Common(TypedDict, total=False):
     node: str
     pid: int
     attempt: int
+    replica_group: int  # a replica group's worker (replica/worker.py)
 
 
 # One record per event that a reader reads fields of: its name (the `event` Literal), the fields every
@@ -137,6 +139,9 @@ class StepRecord(Common):
     rank_loss: NotRequired[float]
     grad_norm: NotRequired[float]
     recovered: NotRequired[bool]
+    quorum: NotRequired[int]  # the replica mode's: the step's quorum, how many groups, which lineage
+    participants: NotRequired[int]
+    lineage: NotRequired[int]
 
 
 class EvalRecord(Common):
@@ -216,11 +221,39 @@ class JobEndRecord(Common):
     exit_codes: NotRequired[dict[str, int]]
 
 
+class QuorumRecord(Common):
+    """A replica group's worker joined a quorum other than its last (replica/worker.py)."""
+
+    event: Literal[Event.QUORUM]
+    step: int
+    quorum: int
+    participants: int
+    lineage: int
+
+
+class HealRecord(Common):
+    """A replica group took a live peer's state: now at `step` of `lineage`, was at `from_step`."""
+
+    event: Literal[Event.HEAL]
+    step: int
+    from_step: int
+    lineage: int
+
+
+class LineageRecord(Common):
+    """A replica group claimed `lineage`, continuing `parent` (0: none) after `step`."""
+
+    event: Literal[Event.LINEAGE]
+    lineage: int
+    parent: int
+    step: int
+
+
 RECORDS: tuple[type[Any], ...] = (
     WorkerStartRecord, TrainStartRecord, ResumeRecord, StepRecord, EvalRecord, TrainDoneRecord,
     CheckpointCommittedRecord, CheckpointFailedRecord, CheckpointPrunedRecord, EmergencyCheckpointRecord,
     StoppingRecord, WorkerCrashRecord, BadInputRecord, LogLinesDroppedRecord, AgentStartedRecord,
-    AgentExitRecord, JobEndRecord,
+    AgentExitRecord, JobEndRecord, QuorumRecord, HealRecord, LineageRecord,
 )  # fmt: skip
 
 
@@ -236,6 +269,8 @@ class StepProgressRecord(Common):
     loss: NotRequired[float]
     lr: NotRequired[float]
     samples_per_s: NotRequired[float]
+    participants: NotRequired[int]
+    lineage: NotRequired[int]
 
 
 class AttemptStartRecord(Common):

@@ -91,7 +91,6 @@ class ReplicaCheckpoints:
         self.context = self.session.context
         self.lineage = 0  # 0: this group holds no lineage's state yet
         self.began_at = 0  # the step the lineage continues from
-        self._started_schedule = False
         self._said_fenced = False
 
     # ---- lineages -----------------------------------------------------------------------------------
@@ -132,11 +131,13 @@ class ReplicaCheckpoints:
         update_identity(attempt=lineage)
 
     # ---- saves --------------------------------------------------------------------------------------
+    def start_schedule(self) -> None:
+        """Training starts: every group's save timer counts from now, so a group that becomes the writer
+        after the interval has passed saves at once rather than a whole interval later."""
+        self.session.start_schedule()
+
     def save_due(self, step: int) -> bool:
         """Whether the writer group checkpoints the step it just committed (rank 0's timer decides)."""
-        if not self._started_schedule:
-            self.session.start_schedule()
-            self._started_schedule = True
         saver = self.session.saver
 
         def decide() -> SaveNow:
@@ -168,6 +169,18 @@ class ReplicaCheckpoints:
             time.sleep(0.1)
         self._drop_other_lineages()
         self.session.save_final()
+
+    def save_emergency(self, group: int, reason: str) -> None:
+        """No quorum formed within replica.quorum_timeout (the Lighthouse unreachable past its retries): this
+        group commits the state it holds, as today's emergency save does (node memory first, storage errors
+        retried), before its workers exit and torchrun starts them again; the restarted groups then restore
+        the newest verified state. Groups of one lineage hold the same state: staggered by group, usually one
+        writes it and the others find it committed. Nothing to save without a lineage or once fenced."""
+        if not self.lineage or self.context.checkpointer.fenced:
+            return
+        time.sleep(min(group, 8) * 0.2)
+        self._drop_other_lineages()
+        self.session.save_emergency(reason)
 
     def _final_committed(self) -> bool:
         """A verified checkpoint of the final step written by this lineage stands (agreed in the group)."""

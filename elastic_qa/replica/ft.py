@@ -155,12 +155,6 @@ class ReplicaManager:
             {"step": position, "batches_committed": self.manager.batches_committed()}
         )
 
-    def sum_ints(self, values: Any) -> None:
-        """Sum a small int64 tensor over the quorum's groups in place (a failure is recorded, as above)."""
-        from torch.distributed import ReduceOp
-
-        self.manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
-
     def refuse_step(self, reason: str) -> None:
         """Make this step's commit vote say no (torchft records the error; the next quorum starts over)."""
         self.manager.report_error(RuntimeError(reason))

@@ -169,6 +169,17 @@ class ReplicaJob:
         return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED
 
 
+def not_in_this_mode(cfg: Config) -> str | None:
+    """The line refusing a setting the replica mode cannot honour yet (exit 2), or None."""
+    if cfg.log.trackers:
+        return f"log.trackers={','.join(cfg.log.trackers)}: the replica-group mode has no trackers yet"
+    if cfg.checkpoint.keep_best != "none":
+        return (
+            f"checkpoint.keep_best={cfg.checkpoint.keep_best}: the replica-group mode evaluates nothing yet"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastic-qa replicas", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args.config, args.overrides)
         require_torchft()
+        if (refusal := not_in_this_mode(cfg)) is not None:
+            raise ConfigError(refusal)
         Path(cfg.run.dir, "agents").mkdir(parents=True, exist_ok=True)
     except ConfigError as err:
         print(f"elastic-qa: config error: {err}", file=sys.stderr)

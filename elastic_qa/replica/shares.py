@@ -165,6 +165,25 @@ def chain_of(
     return segments
 
 
+def quorum_shares(
+    by_file: dict[str, list[dict[str, Any]]], step: int, quorum: int, committed: set[Try]
+) -> list[dict[str, Any]]:
+    """The share lines of the attempt at `step` that `quorum` committed, one per worker that took part.
+
+    torchft's vote is per group: a group whose sum went through commits even when another group's vote said
+    no afterwards (that group then heals from it), and a worker killed after the vote writes no commit line.
+    Either way every member's share is in the committed gradient. So a worker's share is the one of the
+    committed attempt when it wrote its commit line, else its last share of that step in that quorum (a
+    worker that moved on never trains that step in that quorum again: it heals from the group ahead)."""
+    lines = []
+    for rows in by_file.values():
+        candidates = [row for row in rows if row["step"] == step and row["quorum"] == quorum]
+        if candidates:
+            chosen = [row for row in candidates if (row["file"], row["attempt"]) in committed]
+            lines.append((chosen or candidates)[-1])
+    return lines
+
+
 def verify(
     rows: list[dict[str, Any]], num_samples: int, global_batch_size: int, seed: int, steps: int, workers: int
 ) -> Verdict:
@@ -175,7 +194,8 @@ def verify(
     verdict = Verdict(steps)
     lineages: dict[int, tuple[int, int]] = {}
     shares: dict[Try, dict[str, Any]] = {}
-    committed: dict[tuple[int, int], list[Try]] = defaultdict(list)  # (lineage, step) -> its tries
+    by_file: dict[str, list[dict[str, Any]]] = defaultdict(list)  # each worker's share lines, in order
+    committed: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)  # (lineage, step) -> commits
     failed: set[tuple[int, int]] = set()  # (step, quorum)
     for row in rows:
         kind = row.get("kind")
@@ -187,9 +207,10 @@ def verify(
             if (row["file"], row["attempt"]) in shares:
                 verdict.problems.append(f"step {row['step']}: a share line written twice ({row['file']})")
             shares[row["file"], row["attempt"]] = row
+            by_file[row["file"]].append(row)
         elif kind == "commit":
             if row.get("committed") is True:
-                committed[row["lineage"], row["step"]].append((row["file"], row["attempt"]))
+                committed[row["lineage"], row["step"]].append(row)
             else:
                 failed.add((row["step"], row["quorum"]))
     finals = sorted({lineage for lineage, step in committed if step == steps})
@@ -200,9 +221,7 @@ def verify(
     on_chain = {
         (lineage, step) for lineage, low, high in segments for step in range(low + 1, high + 1)
     }  # fmt: skip
-    committed_quorums = {
-        (step, shares[t]["quorum"]) for (_, step), ts in committed.items() for t in ts if t in shares
-    }
+    committed_quorums = {(step, row["quorum"]) for (_, step), rows_ in committed.items() for row in rows_}
     verdict.retried = len(failed - committed_quorums) + len(failed & committed_quorums)
     verdict.discarded = len({key for key in committed if key not in on_chain and key[1] <= steps})
     lineage_of = {step: lineage for lineage, step in on_chain}
@@ -210,15 +229,17 @@ def verify(
     for batch in batches:
         if batch.step not in lineage_of:
             continue  # the chain was broken: said above
-        tries = committed.get((lineage_of[batch.step], batch.step), [])
-        lines = [shares[t] for t in tries if t in shares]
-        quorums = sorted({row["quorum"] for row in lines})
+        commits = committed.get((lineage_of[batch.step], batch.step), [])
+        quorums = sorted({row["quorum"] for row in commits})
         if len(quorums) != 1:
             verdict.problems.append(
                 f"step {batch.step}: committed by {len(quorums)} quorums ({quorums}) in lineage "
                 f"{lineage_of[batch.step]}, not one"
             )
             continue
+        lines = quorum_shares(
+            by_file, batch.step, quorums[0], {(row["file"], row["attempt"]) for row in commits}
+        )
         places = {(row["rank"], row["worker"]) for row in lines}
         participants = {row["participants"] for row in lines}
         if len(participants) != 1:
@@ -227,7 +248,7 @@ def verify(
             )
             continue
         expected = {(r, w) for r in range(participants.pop()) for w in range(workers)}
-        if places != expected or len(lines) != len(expected) or len(tries) != len(lines):
+        if places != expected or len(lines) != len(expected):
             verdict.problems.append(
                 f"step {batch.step}: shares of {sorted(places)}, expected {sorted(expected)}"
             )

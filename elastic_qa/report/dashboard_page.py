@@ -69,6 +69,11 @@ function show(s) {
   text("eval", s.eval ? (100 * s.eval.em).toFixed(1) + " / " + (100 * s.eval.f1).toFixed(1) : null);
   text("eval-step", s.eval ? "at step " + s.eval.step : "no evaluation yet");
   text("fault-count", s.faults.length);
+  const r = s.replicas;
+  $("quorum").closest(".card").hidden = !r;
+  text("quorum", r ? r.participants + " of " + r.groups : null);
+  const lineages = r ? "lineage " + r.lineage + " (" + r.lineages + " started), " : "";
+  text("quorum-more", r ? lineages + r.heals + " heals" : "");
   fill("members", s.members, ["rank", "host", "pid", "step", "state", "seen_s"]);
   fill("agents", s.agents, ["agent", "role", "pid", "state"]);
   fill("saves-table", s.checkpoint_rows.slice().reverse(), ["t", "kind", "step", "why"]);
@@ -122,6 +127,7 @@ def dashboard_html(run_name: str, nonce: str) -> str:
         ("Checkpoints", '<span id="saves">—</span>', '<span id="saves-more"></span>'),
         ("Last EM / F1 (%)", '<span id="eval">—</span>', '<span id="eval-step"></span>'),
         ("Faults injected", '<span id="fault-count">0</span>', "by a chaos run (chaos/faults.jsonl)"),
+        ("Replica groups in the quorum", '<span id="quorum">—</span>', '<span id="quorum-more"></span>'),
     ]  # fmt: skip
     card_html = "".join(
         f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div><div class="s">{s}</div></div>'

@@ -42,7 +42,10 @@ from elastic_qa.observe.events import (
     EmergencyCheckpointRecord,
     EvalRecord,
     Event,
+    HealRecord,
     JobEndRecord,
+    LineageRecord,
+    QuorumRecord,
     ResumeRecord,
     StepProgressRecord,
     TrainDoneRecord,
@@ -88,6 +91,7 @@ ENDINGS = {
 READ_EVENTS = {
     "worker_start", "resume", "start_fresh", "train_start", "eval", "train_done", "emergency_checkpoint",
     *CHECKPOINT_EVENTS, *ENDINGS,
+    "quorum", "heal", "lineage", "lineage_fenced", "no_quorum",  # the replica-group mode's
 }  # fmt: skip
 # torchrun's agent, when a worker dies: "failed (exitcode: -9) local_rank: 1 (pid: 4242) of binary: ..."
 AGENT_FAILURE = re.compile(rb"failed \(exitcode: (-?\d{1,4})\) local_rank: \d{1,6} \(pid: (\d{1,10})\)")
@@ -450,10 +454,49 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
             text = f"emergency checkpoint of step {saving['step']}"
         elif (done := record(event, TrainDoneRecord)) is not None and rank == 0:
             text = f"finished at step {done['step']}"
+        elif (healed := record(event, HealRecord)) is not None and rank == 0:
+            text = (
+                f"replica group {event.get('replica_group')} healed from a live peer: step "
+                f"{healed['from_step']} -> {healed['step']} (lineage {healed['lineage']})"
+            )
+        elif (claimed := record(event, LineageRecord)) is not None and rank == 0:
+            start = (
+                f"restored step {claimed['step']}"
+                if event.get("restored")
+                else f"after step {claimed['step']}"
+            )
+            text = (
+                f"replica group {event.get('replica_group')} started lineage {claimed['lineage']} ({start})"
+            )
+        elif name == Event.LINEAGE_FENCED and rank == 0:
+            text = (
+                f"replica group {event.get('replica_group')}: its lineage lost to a newer one (saves refused)"
+            )
+        elif name == Event.NO_QUORUM and rank == 0:
+            text = f"replica group {event.get('replica_group')} found no quorum: saved and restarting"
         else:
             continue
         rows.append({"t": round(event["ts"] - t0, 1), "text": text[:300]})
     return rows[-RECENT:]
+
+
+def _replicas(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The replica-group mode's view (None for a run of the default mode): the newest quorum as its
+    groups saw it, how many groups ran, the lineages started and the heals."""
+    quorums = [q for q in records(events, QuorumRecord) if q.get("rank") == 0]
+    if not quorums:
+        return None
+    newest = quorums[-1]
+    groups = {e["replica_group"] for e in events if isinstance(e.get("replica_group"), int)}
+    steps = [e for e in records(events, StepProgressRecord) if isinstance(e.get("participants"), int)]
+    return {
+        "quorum": newest["quorum"],
+        "participants": steps[-1]["participants"] if steps else newest["participants"],
+        "groups": len(groups),
+        "lineage": steps[-1].get("lineage") if steps else newest["lineage"],
+        "lineages": len({c["lineage"] for c in records(events, LineageRecord)}),
+        "heals": sum(1 for h in records(events, HealRecord) if h.get("rank") == 0),
+    }
 
 
 def _thinned(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -482,6 +525,7 @@ def live_state(
         "status": name, "step": 0, "max_steps": None, "eta_s": None, "world_size": 0, "attempt": None,
         "restarts": 0, "members": [], "agents": _agents(launcher), "checkpoints": {}, "checkpoint_rows": [],
         "eval": None, "faults": [], "timeline": [], "html": {"summary": "", "charts": "", "attempts": ""},
+        "replicas": None,
     }  # fmt: skip
     if not events:
         return state
@@ -534,6 +578,7 @@ def live_state(
         checkpoint_rows=saves[-RECENT:],
         eval={k: evals[-1].get(k) for k in ("step", "em", "f1")} if evals else None,
         faults=injected[-RECENT:],
+        replicas=_replicas(events),
         timeline=sorted(_timeline(events, t0) + _deaths(events, failures, t0), key=lambda r: r["t"])[
             -RECENT:
         ],

@@ -97,6 +97,7 @@ LOG_FIELDS: Schema = _schema(
     "event", "ts", "time", "node", "error", "reason",
     "rank", "attempt", "world_size", "pid", "step", "max_steps", "saved_world_size",
     "loss", "rank_loss", "lr", "grad_norm", "samples_per_s", "em", "f1", "eval_loss",
+    "replica_group", "quorum", "participants", "lineage", "from_step", "parent",
 )  # fmt: skip
 FAULT_FIELDS: Schema = {"fault": _text, "target": _text, "step": _count, "ts": _time, "skipped": _text}
 LAUNCHER_FIELDS: Schema = _schema("event", "ts", "agent", "pid", "is_host", "code", "exit_codes")

@@ -318,3 +318,15 @@ def test_replicas_kills_each_group_once_and_the_ledger_holds(tmp_path: Path, cac
     }
     assert result["ledger"]["lineages"] >= 3  # the first, then one per quorum change (at least one a kill)
     assert result["committed_steps"] > 2 * 10
+
+
+def test_replicas_with_the_lighthouse_killed_twice(tmp_path: Path, cache_dir: Path) -> None:
+    pytest.importorskip("torchft")
+    argv = ("replicas", "--faults", "2", "--target", "lighthouse", "--config", "tiny")
+    result = bench(tmp_path, *argv, f"data.cache_dir={cache_dir}")
+    assert result["target"] == "lighthouse" and result["faults"] == 2 and "heal_s" not in result
+    for name in ("survivor_s", "restart_s", "rejoin_s"):
+        assert positive(result[name])
+    for fault in result["per_fault"]:
+        assert fault["restart_s"] <= fault["rejoin_s"]
+    assert result["ledger"]["ok"] and result["ledger"]["problems"] == []

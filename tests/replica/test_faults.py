@@ -35,7 +35,8 @@ from elastic_qa.observe.follow import read_events
 from elastic_qa.replica.ft import lighthouse_command
 from elastic_qa.replica.launch import ReplicaJob
 from elastic_qa.replica.shares import Verdict
-from elastic_qa.step_holds import arm, release, release_all
+from elastic_qa.report.live import LiveRun
+from elastic_qa.step_holds import arm, release, release_all, release_heal
 from tests.replica.test_replica_job import (
     MAX_STEPS,
     final_digests,
@@ -227,6 +228,16 @@ def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, c
     assert len(healed) == 1 and healed[0]["lineage"] >= winner, healed
     # The losing side's saves past step 10: refused by the fence, or discarded by the winner's first save.
     assert {e["event"] for e in events} & {"checkpoint_fenced", "lineage_fenced", "lineage_discarded"}
+    # The dashboard's view of it, from the same logs.
+    dashboard = LiveRun(run_dir)
+    dashboard.refresh()
+    state = dashboard.state()
+    assert state["status"] == "finished"
+    replicas = state["replicas"]
+    assert replicas["groups"] == 2 and replicas["participants"] == 2 and replicas["heals"] >= 2
+    assert replicas["lineage"] == verdict.lineages[0] and replicas["lineages"] >= 3
+    texts = [row["text"] for row in state["timeline"]]
+    assert any("healed from a live peer: step 20 -> 20" in t for t in texts), texts
 
 
 # ---- a stalled replica ----------------------------------------------------------------------------
@@ -292,3 +303,87 @@ def test_a_killed_lighthouse_is_started_again_and_the_job_ends_whole(tmp_path: P
     check_the_end(run_dir, cache_dir)
     together = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 10]
     assert together and together[-1]["participants"] == 2
+
+
+# ---- no quorum within the bound ---------------------------------------------------------------------
+
+
+def test_no_quorum_within_the_bound_saves_and_the_restarted_groups_resume_there(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The Lighthouse SIGSTOPped (alive, so never restarted, and silent) while both groups are held after
+    step 10: their next quorum requests time out, each group commits the state it holds (an emergency
+    save) and exits; torchrun starts them again, and once the Lighthouse answers they resume at step 10,
+    losing nothing."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10])
+    job = start(
+        run_dir, cache_dir, f"debug.hold_dir={holds}", "replica.quorum_retries=0", "replica.quorum_timeout=3s"
+    )
+    lighthouse = 0
+    try:
+        held(run_dir, job, 10)
+        lighthouse = next(e for e in launcher_records(run_dir) if e["event"] == "lighthouse_started")["pid"]
+        os.kill(lighthouse, signal.SIGSTOP)
+        release(holds, 10)
+        saved = wait_for(
+            run_dir, job, "the state of step 10 committed",
+            lambda e: e.get("event") == "checkpoint_committed" and e["reason"] == "emergency",
+        )  # fmt: skip
+        assert saved["step"] == 10
+        os.kill(lighthouse, signal.SIGCONT)
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if lighthouse:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(lighthouse, signal.SIGCONT)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    assert {e["replica_group"] for e in events if e.get("event") == "no_quorum" and e["step"] == 10} == {0, 1}
+    assert [e["step"] for e in events if e.get("event") == "resume"] == [10]
+    verdict = check_the_end(run_dir, cache_dir)
+    assert verdict.discarded == 0  # the state of step 10 was saved: nothing trained twice
+
+
+# ---- a kill during a heal -------------------------------------------------------------------------
+
+
+def test_the_sender_killed_during_a_heal_leaves_the_job_whole(tmp_path: Path, cache_dir: Path) -> None:
+    """Group 1's worker killed after step 10; group 0 trains on alone (held after step 12 until group 1 is
+    back) and is held while it serves the restarted group its state, then SIGKILLed there. Neither group
+    holds a state any more: both restart with none, restore the newest checkpoint in a new lineage and
+    finish; the receiver never trained on half a state (the ledger), and the steps after that checkpoint
+    are the discarded work."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10, 12], heals=[10])
+    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
+    try:
+        held(run_dir, job, 10)
+        killed = worker_pid(run_dir, 1)
+        os.kill(killed, signal.SIGKILL)
+        release(holds, 10)
+        held(run_dir, job, 12, groups=(0,))  # group 0 alone, held until group 1 is back
+        wait_for(
+            run_dir, job, "group 1 asking for its first quorum",
+            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != killed,
+        )  # fmt: skip
+        release(holds, 12)
+        sending = wait_for(
+            run_dir, job, "group 0 held while it sends its state",
+            lambda e: e.get("event") == "hold" and e.get("heal") is True,
+        )  # fmt: skip
+        assert sending["replica_group"] == 0
+        os.kill(sending["pid"], signal.SIGKILL)
+        release_heal(holds, 10)
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    resumed = [e["step"] for e in events if e.get("event") == "resume"]
+    assert len(resumed) == 1 and resumed[0] >= 10, resumed
+    verdict = check_the_end(run_dir, cache_dir)
+    assert verdict.discarded == sending["step"] - resumed[0], verdict

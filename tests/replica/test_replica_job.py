@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from elastic_qa.checkpoint.payload import MODEL_FILE
 from elastic_qa.config import load_config, packaged_config
 from elastic_qa.launcher.processes import kill_trees, python_env
 from elastic_qa.models import family_for
@@ -101,6 +103,60 @@ def test_two_groups_train_every_window_once_and_end_bitwise_equal(tmp_path: Path
     check_ledger(run_dir, cache_dir)
     digests = final_digests(run_dir)
     assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+
+
+def final_parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoints" / f"step-{step:08d}" / MODEL_FILE
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Group 1's worker killed after step 50, group 0's after step 120: each step's global batch is the same
+    windows whoever trains it, so the model differs from a fault-free run's only by the order of the float
+    sums (one participant or two)."""
+    steps, holds = 200, tmp_path / "holds"
+    clean = start(tmp_path / "clean", cache_dir, f"train.max_steps={steps}")
+    assert finished(clean) == 0
+    arm(holds, [50, 52, 120, 122])
+    run_dir = tmp_path / "faulted"
+    job = start(run_dir, cache_dir, f"train.max_steps={steps}", f"debug.hold_dir={holds}")
+    try:
+        for step, group in ((50, 1), (120, 0)):
+            victim = wait_for(
+                run_dir, job, f"group {group} held at {step}",
+                lambda e, s=step, g=group: e.get("event") == "hold" and e["step"] == s
+                and e.get("replica_group") == g,
+            )  # fmt: skip
+            os.kill(victim["pid"], signal.SIGKILL)
+            release(holds, step)
+            # The survivor is held 2 steps later until the killed group is back, which then heals from it.
+            wait_for(
+                run_dir, job, f"group {group} back",
+                lambda e, g=group, k=victim["pid"]: e.get("event") == "train_start"
+                and e.get("replica_group") == g and e["pid"] != k,
+            )  # fmt: skip
+            release(holds, step + 2)
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if job.poll() is None:
+            job.kill()
+    assert ledger_verdict(run_dir, cache_dir, steps=steps).ok
+    healed = {e["replica_group"] for e in read_events(run_dir) if e.get("event") == "heal" and e["step"] > 0}
+    assert healed == {0, 1}
+    faulted, reference = final_parameters(run_dir, steps), final_parameters(tmp_path / "clean", steps)
+    assert faulted.keys() == reference.keys()
+    worst = max(
+        float(
+            (faulted[name].float() - reference[name].float()).norm()
+            / reference[name].float().norm().clamp_min(1e-12)
+        )
+        for name in reference
+    )
+    print(f"largest relative parameter difference at step {steps}: {worst:.3e}")
+    assert worst < 1e-4
 
 
 def test_a_killed_worker_heals_from_its_peer_and_the_groups_end_bitwise_equal(
@@ -258,3 +314,27 @@ def test_a_lost_group_leaves_the_survivor_training_to_the_end(tmp_path: Path, ca
     alone = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 5]
     assert alone and all(e["participants"] == 1 and e["replica_group"] == 0 for e in alone)
     assert max(e["step"] for e in alone) == MAX_STEPS
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("checkpoint.keep_best=f1", "checkpoint.keep_best=f1"), ("log.trackers=[tensorboard]", "log.trackers")],
+)
+def test_a_setting_the_mode_cannot_honour_is_refused_before_anything_starts(
+    tmp_path: Path, setting: str, named: str
+) -> None:
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_qa.replica.launch",
+        "--config",
+        "tiny",
+        f"run.dir={run_dir}",
+        setting,
+    ]
+    result = subprocess.run(command, env=python_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "replica-group mode" in lines[0], lines
+    assert not run_dir.exists()

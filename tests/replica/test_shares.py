@@ -423,3 +423,23 @@ def test_the_shares_of_a_step_carry_every_window_of_its_batch_once(features: Fea
         assert [i for b in built for i in b.indices] == batch.global_indices
         assert sum(float(b.tensors["weights"].sum()) for b in built) == batch.global_count
         assert {b.global_count for b in built} == {batch.global_count}
+
+
+def test_a_worker_killed_after_the_vote_leaves_no_commit_line_and_the_step_still_verifies(
+    rows: list[Row],
+) -> None:
+    """Its share was in the sum the others committed: the step's shares are still the whole batch."""
+    commit = next(r for r in rows if r["kind"] == "commit" and r["step"] == 6 and r["group"] == 2)
+    assert check([r for r in rows if r is not commit]) == []
+
+
+def test_a_group_whose_vote_said_no_after_the_sum_went_through_still_trained_its_share(
+    rows: list[Row],
+) -> None:
+    """torchft's vote is per group: group 3 said no at step 7 (it then heals from the others), but its share
+    was in the gradient they committed."""
+    rows = copy.deepcopy(rows)
+    for row in rows:
+        if row["kind"] == "commit" and row["step"] == 7 and row["group"] == 3:
+            row["committed"] = False
+    assert check(rows) == []

@@ -45,6 +45,7 @@ def test_a_finished_run_shows_its_progress_world_restarts_checkpoints_and_member
     assert "attempt 2 started with 3 workers" in texts and "resumed from step 50" in texts
     assert state["idle_s"] == 5.0 and state["behind"] is False
     assert "World size over time" in state["html"]["charts"] and "2 → 3" in state["html"]["summary"]
+    assert state["replicas"] is None  # a run of the default mode has no quorum view
 
 
 def test_a_running_job_has_an_eta_at_its_recent_pace_and_a_lost_peer_reads_as_regrouping(
