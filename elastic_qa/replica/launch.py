@@ -3,7 +3,8 @@
     elastic-qa replicas --config tiny run.dir=runs/replicas replica.groups=2 [key=value ...]
 
 Each replica group is a torchrun job of its own (one node, `replica.nproc_per_group` workers, DDP inside,
-torchrun's own restarts), so a fault restarts one group while the others keep training; the groups form a
+torchrun's own restarts), so a fault restarts one group while the others keep training (a group whose
+torchrun agent itself died is started again here, as a scheduler would replace a lost node); the groups form a
 quorum per step through torchft's Lighthouse, which this launcher runs and supervises: a Lighthouse that
 exits is started again at the same address, and the groups retry their quorum requests meanwhile
 (`replica.quorum_retries`). The job's heal key (the secret a group proves it belongs to the job with when it
@@ -45,6 +46,7 @@ from elastic_qa.session.hold import RunHeldError, RunHold
 WORKER = "elastic_qa.replica.worker"
 KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
 MAX_RESTARTS = 100  # a group's torchrun restarts its workers this often before it gives up
+MAX_GROUP_RESTARTS = 10  # a group whose torchrun agent died is started again this often
 
 
 class ReplicaJob:
@@ -155,9 +157,7 @@ class ReplicaJob:
         codes: dict[int, int] = {}
         try:
             self.groups = {group: self.start_group(group) for group in range(self.cfg.replica.groups)}
-            for group, process in self.groups.items():
-                codes[group] = process.wait()
-                self.record(Event.GROUP_EXIT, group=group, code=codes[group])
+            codes = self.supervise_groups()
         finally:
             self.stopping.set()
             for process in self.groups.values():
@@ -167,6 +167,29 @@ class ReplicaJob:
             supervisor.join(timeout=5)
             self.record(Event.JOB_END, exit_codes={str(g): c for g, c in codes.items()})
         return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED
+
+    def supervise_groups(self) -> dict[int, int]:
+        """Wait for every group; start a group whose torchrun agent died (killed, or out of restarts) again,
+        as a cluster scheduler would replace a lost node, unless the job is done (a group finished), the
+        group refused its input (exit 2), or it was started MAX_GROUP_RESTARTS times already. The started
+        group holds no state: it heals from a live peer, or restores the newest checkpoint when none is
+        left. Returns each group's last exit code."""
+        codes: dict[int, int] = {}
+        restarts = dict.fromkeys(self.groups, 0)
+        while len(codes) < len(self.groups):
+            for group, process in list(self.groups.items()):
+                code = process.poll()
+                if group in codes or code is None:
+                    continue
+                self.record(Event.GROUP_EXIT, group=group, code=code)
+                done = 0 in codes.values() or code in (0, EXIT_BAD_INPUT) or self.stopping.is_set()
+                if done or restarts[group] >= MAX_GROUP_RESTARTS:
+                    codes[group] = code
+                else:
+                    restarts[group] += 1
+                    self.groups[group] = self.start_group(group)
+            self.stopping.wait(MONITOR_INTERVAL_S)
+        return codes
 
 
 def not_in_this_mode(cfg: Config) -> str | None:

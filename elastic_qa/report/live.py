@@ -442,6 +442,8 @@ def _timeline(events: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
         if (started := record(event, AttemptStartRecord)) is not None and rank == 0:
             size = started.get("world_size")
             text = f"attempt {started.get('attempt')} started with {size} worker{'' if size == 1 else 's'}"
+            if "replica_group" in event:  # a replica group's worker: attempts are lineages there
+                text = f"replica group {event['replica_group']} worker started"
         elif (resumed := record(event, ResumeRecord)) is not None and rank == 0:
             saved = resumed.get("saved_world_size")
             text = f"resumed from step {resumed['step']}" + (

@@ -237,7 +237,8 @@ def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, c
     assert replicas["groups"] == 2 and replicas["participants"] == 2 and replicas["heals"] >= 2
     assert replicas["lineage"] == verdict.lineages[0] and replicas["lineages"] >= 3
     texts = [row["text"] for row in state["timeline"]]
-    assert any("healed from a live peer: step 20 -> 20" in t for t in texts), texts
+    assert any("healed from a live peer: step 20 -> " in t for t in texts), texts
+    assert texts[0] == "replica group 0 worker started" or texts[0] == "replica group 1 worker started", texts
 
 
 # ---- a stalled replica ----------------------------------------------------------------------------

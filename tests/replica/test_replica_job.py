@@ -206,13 +206,14 @@ def group_pid(run_dir: Path, group: int) -> int:
     return next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == group)
 
 
-def test_a_restarted_group_whose_peers_are_gone_resumes_from_the_durable_checkpoint(
+def test_groups_that_all_lost_their_state_resume_from_the_durable_checkpoint(
     tmp_path: Path, cache_dir: Path
 ) -> None:
-    """Both groups held after step 10 (checkpoints every 5 steps); group 0 is lost for good (its torchrun
-    agent and worker killed) and group 1's worker is killed: torchrun restarts it at step 0, alone. It must
-    not train the job again from step 0: it finds no peer within replica.quorum_timeout, restores the
-    checkpoint of step 10 in a new lineage and trains the job to its end, every window once."""
+    """Both groups held after step 10 (checkpoints every 5 steps); group 0's torchrun agent and worker are
+    killed (the launcher starts it again) and group 1's worker is killed (torchrun restarts it): no group
+    holds a state. They must not train the job again from step 0: with every group in the quorum, one
+    restores the checkpoint of step 10 in a new lineage, the other heals from it, and they train the job
+    to its end, every window once."""
     run_dir, holds = tmp_path / "run", tmp_path / "holds"
     arm(holds, [10])
     job = start(
@@ -232,10 +233,10 @@ def test_a_restarted_group_whose_peers_are_gone_resumes_from_the_durable_checkpo
             run_dir, job, "the checkpoint of step 10",
             lambda e: e.get("event") == "checkpoint_committed" and e.get("step") == 10,
         )  # fmt: skip
-        kill_trees([group_pid(run_dir, 0)])
+        kill_trees([group_pid(run_dir, 0)])  # started again by the launcher, with no state
         os.kill(held[1]["pid"], signal.SIGKILL)
         release_all(holds)
-        assert finished(job) == 1  # group 0 failed; the job's work did not
+        assert finished(job) == 0
     finally:
         release_all(holds)
         if job.poll() is None:
@@ -292,28 +293,46 @@ def pids_before(held: dict[int, dict]) -> set[int]:
     return {event["pid"] for event in held.values()}
 
 
-def test_a_lost_group_leaves_the_survivor_training_to_the_end(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_lost_group_is_started_again_and_heals_while_the_survivor_trains(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Group 1's torchrun agent and worker killed after step 5 (a lost node): the survivor trains on alone,
+    the launcher starts group 1 again, and it heals from the survivor."""
     run_dir, holds = tmp_path / "run", tmp_path / "holds"
-    arm(holds, [5])
+    arm(holds, [5, 8])
     job = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
     try:
-        wait_for(
+        worker = wait_for(
             run_dir,
             job,
             "group 1 held at 5",
             lambda e: e.get("event") == "hold" and e.get("replica_group") == 1,
-        )
-        kill_trees([group_pid(run_dir, 1)])  # its torchrun agent and worker
+        )["pid"]
+        lost = group_pid(run_dir, 1)
+        kill_trees([lost])  # its torchrun agent and worker
         release(holds, 5)
-        assert finished(job) == 1  # a group failed; the job's work did not
+        wait_for(
+            run_dir, job, "group 0 trained alone",
+            lambda e: e.get("event") == "step" and e["step"] == 8 and e["participants"] == 1,
+        )  # fmt: skip
+        wait_for(
+            run_dir, job, "group 1 started again",
+            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != worker,
+        )  # fmt: skip
+        release(holds, 8)
+        assert finished(job) == 0
     finally:
         release_all(holds)
         if job.poll() is None:
             job.kill()
     check_ledger(run_dir, cache_dir)
-    alone = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 5]
-    assert alone and all(e["participants"] == 1 and e["replica_group"] == 0 for e in alone)
-    assert max(e["step"] for e in alone) == MAX_STEPS
+    records = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()]
+    started = [e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 1]
+    assert len(started) == 2 and started[0] == lost
+    events = read_events(run_dir)
+    assert [e for e in events if e.get("event") == "heal" and e["replica_group"] == 1 and e["step"] > 5]
+    digests = final_digests(run_dir)
+    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
 
 
 @pytest.mark.parametrize(
