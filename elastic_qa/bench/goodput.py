@@ -27,7 +27,7 @@ Sides (one after another, or at the same time with --parallel):
 - torchft: elastic_qa.bench.torchft_side (2 replica groups of one process, torchft 0.2.0), skipped with
   the reason when torchft is not importable.
 - replicas: the product's replica-group mode (`elastic-qa replicas`, 2 groups, on torchft):
-  elastic_qa.bench.goodput_replicas. kill-worker only (nothing restarts a group whose agent died): with a
+  elastic_qa.bench.goodput_replicas. kill-worker only (it does not follow a group's new agent yet): with a
   node kind in --kinds it is refused when asked for by --sides, and left out of the default sides with the
   reason; likewise when torchft is not importable. Exactly-once is the replica ledger's check; a failed
   check fails the run (exit 1).

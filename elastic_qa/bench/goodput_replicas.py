@@ -5,16 +5,15 @@ the Lighthouse run and supervised by the replica launcher), the sample ledger on
 
 Faults. Only `kill-worker` is supported: it SIGKILLs one worker (by pid) of one replica group, drawn from
 --seed; that group's torchrun restarts its workers, which heal from the live peer while the survivors train
-on. A node fault would kill a group's torchrun agent with its workers, and nothing restarts such a group
-(the replica launcher supervises the Lighthouse, not the groups, and the mode has no `join` yet), so the
-job would go on one group short for the rest of the run: not a fault a scheduler would leave unrepaired,
-and not comparable with the launcher sides, where a replacement node joins. `goodput` therefore refuses
-`--kinds` with a node kind for this side (or leaves the side out of the default sides, saying why).
+on. A node fault would kill a group's torchrun agent with its workers; the replica launcher starts that
+group again, but this side tells a group's workers apart by torchrun's restart count, which a new agent
+starts over, so it does not follow them yet. `goodput` therefore refuses `--kinds` with a node kind for
+this side (or leaves the side out of the default sides, saying why).
 
 Like the torchft side's, a fault waits until the job is whole again: every group's newest workers alive and
 none of them one the bench killed, and a step committed by every group after the newest worker started.
-A kill while the other group is still restarting would leave no live peer to heal from, and the mode
-restores from no checkpoint yet: the restarted groups would wait for the job's committed step forever.
+A kill while the other group is still restarting would leave no live peer to heal from: both groups would
+then restore the newest checkpoint, and the bench's tiny job saves none (checkpoint.interval 30 min).
 
 Figures from the job's step lines (written by the quorum's rank 0, group rank 0, every step with
 `log.every_steps=1`), each a `Step` of the writing process with weight 1: every committed step trained the
@@ -50,7 +49,8 @@ from elastic_qa.replica.shares import read_replica_ledger, verify
 KINDS = frozenset({"kill-worker"})
 UNSUPPORTED = (
     "the replica side supports only kill-worker: a node fault kills a replica group's torchrun agent, and "
-    "nothing restarts that group (the replica launcher does not, and the mode has no join yet)"
+    "the launcher's new agent for that group is not followed by this side yet (it tells a group's workers "
+    "apart by torchrun's restart count, which a new agent starts over)"
 )
 GROUPS = 2
 # Every step logged, the sample ledger on, no end in reach (the bench stops the job).

@@ -70,12 +70,22 @@ class ReplicaLedger:
         self._try = 0
 
     def share(
-        self, step: int, epoch: int, quorum: int, participants: int, rank: int, samples: list[int]
+        self,
+        step: int,
+        epoch: int,
+        quorum: int,
+        participants: int,
+        rank: int,
+        samples: list[int],
+        held: int = 0,
     ) -> None:
+        """This worker's windows of `step`, before they leave for the cross-group sum; `held`: the lineage
+        its group held while training them (quorum ids start over with a restarted Lighthouse: this tells
+        two attempts with one quorum id apart)."""
         self._try += 1
         self._write(
             kind="share", step=step, epoch=epoch, quorum=quorum, participants=participants, rank=rank,
-            samples=samples, attempt=self._try,
+            samples=samples, attempt=self._try, held=held,
         )  # fmt: skip
 
     def commit(self, step: int, quorum: int, committed: bool, lineage: int) -> None:
@@ -166,21 +176,32 @@ def chain_of(
 
 
 def quorum_shares(
-    by_file: dict[str, list[dict[str, Any]]], step: int, quorum: int, committed: set[Try]
+    by_file: dict[str, list[dict[str, Any]]], step: int, quorum: int, summed: set[Try], voted: set[Try]
 ) -> list[dict[str, Any]]:
     """The share lines of the attempt at `step` that `quorum` committed, one per worker that took part.
 
     torchft's vote is per group: a group whose sum went through commits even when another group's vote said
-    no afterwards (that group then heals from it), and a worker killed after the vote writes no commit line.
-    Either way every member's share is in the committed gradient. So a worker's share is the one of the
-    committed attempt when it wrote its commit line, else its last share of that step in that quorum (a
-    worker that moved on never trains that step in that quorum again: it heals from the group ahead)."""
-    lines = []
+    no afterwards (that group then heals from it), and a worker killed after the sum writes no commit line.
+    Either way every member's share is in the committed gradient. `summed`: the attempts whose commit line,
+    whatever its vote, names the lineage the step was committed in (their sum went through); a worker of
+    the quorum without such a line contributes its last share of that step in that quorum, held in the
+    same lineage, of an attempt that has no commit line at all (`voted`: the attempts that have one)."""
+    lines, held = [], set()
     for rows in by_file.values():
-        candidates = [row for row in rows if row["step"] == step and row["quorum"] == quorum]
+        chosen = [row for row in rows if (row["file"], row["attempt"]) in summed and row["step"] == step]
+        if chosen:
+            lines.append(chosen[-1])
+            held.add(chosen[-1].get("held"))
+    for rows in by_file.values():
+        if any((row["file"], row["attempt"]) in summed and row["step"] == step for row in rows):
+            continue
+        candidates = [
+            row for row in rows
+            if row["step"] == step and row["quorum"] == quorum and row.get("held") in held
+            and (row["file"], row["attempt"]) not in voted
+        ]  # fmt: skip
         if candidates:
-            chosen = [row for row in candidates if (row["file"], row["attempt"]) in committed]
-            lines.append((chosen or candidates)[-1])
+            lines.append(candidates[-1])
     return lines
 
 
@@ -196,6 +217,8 @@ def verify(
     shares: dict[Try, dict[str, Any]] = {}
     by_file: dict[str, list[dict[str, Any]]] = defaultdict(list)  # each worker's share lines, in order
     committed: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)  # (lineage, step) -> commits
+    summed: dict[tuple[int, int], set[Try]] = defaultdict(set)  # (lineage, step) -> attempts of any vote
+    voted: set[Try] = set()
     failed: set[tuple[int, int]] = set()  # (step, quorum)
     for row in rows:
         kind = row.get("kind")
@@ -209,15 +232,19 @@ def verify(
             shares[row["file"], row["attempt"]] = row
             by_file[row["file"]].append(row)
         elif kind == "commit":
+            summed[row["lineage"], row["step"]].add((row["file"], row["attempt"]))
+            voted.add((row["file"], row["attempt"]))
             if row.get("committed") is True:
                 committed[row["lineage"], row["step"]].append(row)
             else:
                 failed.add((row["step"], row["quorum"]))
+    # The final model's lineage: the newest that committed the last step (an older one that got there too,
+    # the losing side of a split or a job started again from scratch, is discarded work).
     finals = sorted({lineage for lineage, step in committed if step == steps})
-    if len(finals) != 1:
-        verdict.problems.append(f"step {steps}: committed by {len(finals)} lineages ({finals}), not one")
+    if not finals:
+        verdict.problems.append(f"step {steps}: committed by 0 lineages, not one")
         return verdict
-    segments = verdict.segments = chain_of(lineages, finals[0], steps, verdict.problems)
+    segments = verdict.segments = chain_of(lineages, finals[-1], steps, verdict.problems)
     on_chain = {
         (lineage, step) for lineage, low, high in segments for step in range(low + 1, high + 1)
     }  # fmt: skip
@@ -237,9 +264,8 @@ def verify(
                 f"{lineage_of[batch.step]}, not one"
             )
             continue
-        lines = quorum_shares(
-            by_file, batch.step, quorums[0], {(row["file"], row["attempt"]) for row in commits}
-        )
+        key = (lineage_of[batch.step], batch.step)
+        lines = quorum_shares(by_file, batch.step, quorums[0], summed[key], voted)
         places = {(row["rank"], row["worker"]) for row in lines}
         participants = {row["participants"] for row in lines}
         if len(participants) != 1:

@@ -185,8 +185,9 @@ class ReplicaTrainer:
             share = share_of(batch, quorum.participants, quorum.rank, self.ctx.world_size, self.ctx.rank)
             if self.ledger:
                 self.ledger.share(
-                    batch.step, batch.epoch, quorum.quorum_id, quorum.participants, quorum.rank, share
-                )
+                    batch.step, batch.epoch, quorum.quorum_id, quorum.participants, quorum.rank, share,
+                    held=self.durable.lineage,
+                )  # fmt: skip
             if self.draws_random:
                 rank = quorum.rank * self.ctx.world_size + self.ctx.rank
                 seed_step_rng(step_seed(cfg.run.seed, batch.step, rank), self.ctx.device)

@@ -41,7 +41,7 @@ def test_a_node_kind_for_the_replica_side_is_a_usage_error(
 ) -> None:
     argv = ["goodput", "--mtbf", "4s", "--faults", "1", "--sides", "replicas", "--kinds", "kill-node"]
     assert main([*argv, "--work-dir", str(tmp_path / "work")]) == EXIT_BAD_INPUT
-    assert "nothing restarts that group" in capsys.readouterr().err
+    assert "not followed by this side yet" in capsys.readouterr().err
 
 
 def test_the_next_faults_stall_is_not_charged_to_the_previous_fault() -> None:

@@ -90,6 +90,7 @@ class Attempt:
     groups: list[int]  # the quorum's replica groups, in replica-rank order
     committed: bool
     lineage: int  # the lineage the attempt commits in (each quorum claims its own)
+    held: int = 0  # the lineage its groups held while training it
 
 
 # Quorums change: 2 participants, then a failed attempt at step 3, retried by 1, then 3 participants.
@@ -139,7 +140,7 @@ class Job:
                 share = share_of(batch, participants, rank, WORKERS, worker)
                 windows += share
                 self.ledger(group, worker).share(
-                    batch.step, batch.epoch, plan.quorum, participants, rank, share
+                    batch.step, batch.epoch, plan.quorum, participants, rank, share, held=plan.held
                 )
         for group in plan.groups:
             for worker in range(WORKERS):
@@ -365,7 +366,7 @@ def test_a_killed_writer_leaves_only_its_torn_line_behind(tmp_path: Path) -> Non
     path.write_text(text[: len(text) - 5])  # the commit line torn
     assert read_replica_ledger(run_dir) == [
         {"group": 0, "worker": 0, "kind": "share", "step": 1, "epoch": 0, "quorum": 1, "participants": 1,
-         "rank": 0, "samples": [3, 1], "attempt": 1, "file": path.name},
+         "rank": 0, "samples": [3, 1], "attempt": 1, "held": 0, "file": path.name},
     ]  # fmt: skip
 
 
@@ -443,3 +444,26 @@ def test_a_group_whose_vote_said_no_after_the_sum_went_through_still_trained_its
         if row["kind"] == "commit" and row["step"] == 7 and row["group"] == 3:
             row["committed"] = False
     assert check(rows) == []
+
+
+def test_quorum_ids_that_start_over_with_a_new_lighthouse_are_told_apart(tmp_path: Path) -> None:
+    """The whole job started again (a new Lighthouse hands out quorum 1 again) and trains steps 1..7 in
+    lineage 9, restored from nothing: the first job's steps are discarded, and a worker of the second job
+    killed after its sum (no commit line at step 3) is still found by the lineage it held, not mixed up
+    with the first job's shares of step 3 in quorum 1."""
+    run_dir = tmp_path / "run"
+    run_job(run_dir)
+    LINEAGES[9] = (0, 0)
+    try:
+        again = Job(run_dir)
+        for _ in range(STEPS):
+            again.attempt(Attempt(1, [0, 1], True, 9, held=9))
+        again.close()
+    finally:
+        del LINEAGES[9]
+    rows = read_replica_ledger(run_dir)
+    verdict = verify(rows, SAMPLES, BATCH, SEED, STEPS, WORKERS)
+    assert verdict.ok, verdict.problems
+    assert verdict.lineages == [9] and verdict.discarded == STEPS
+    killed = [r for r in rows if r["kind"] == "commit" and r["step"] == 3 and r["lineage"] == 9][-1]
+    assert check([r for r in rows if r is not killed]) == []
