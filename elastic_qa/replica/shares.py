@@ -176,9 +176,10 @@ def chain_of(
 
 
 def quorum_shares(
-    by_file: dict[str, list[dict[str, Any]]], step: int, quorum: int, summed: set[Try], voted: set[Try]
+    of_step: dict[str, list[dict[str, Any]]], quorum: int, summed: set[Try], voted: set[Try]
 ) -> list[dict[str, Any]]:
-    """The share lines of the attempt at `step` that `quorum` committed, one per worker that took part.
+    """The share lines of the attempt at a step that `quorum` committed, one per worker that took part
+    (`of_step`: each worker file's share lines of that step, in order).
 
     torchft's vote is per group: a group whose sum went through commits even when another group's vote said
     no afterwards (that group then heals from it), and a worker killed after the sum writes no commit line.
@@ -186,18 +187,18 @@ def quorum_shares(
     whatever its vote, names the lineage the step was committed in (their sum went through); a worker of
     the quorum without such a line contributes its last share of that step in that quorum, held in the
     same lineage, of an attempt that has no commit line at all (`voted`: the attempts that have one)."""
-    lines, held = [], set()
-    for rows in by_file.values():
-        chosen = [row for row in rows if (row["file"], row["attempt"]) in summed and row["step"] == step]
+    lines, held, rest = [], set(), []
+    for rows in of_step.values():
+        chosen = [row for row in rows if (row["file"], row["attempt"]) in summed]
         if chosen:
             lines.append(chosen[-1])
             held.add(chosen[-1].get("held"))
-    for rows in by_file.values():
-        if any((row["file"], row["attempt"]) in summed and row["step"] == step for row in rows):
-            continue
+        else:
+            rest.append(rows)
+    for rows in rest:
         candidates = [
             row for row in rows
-            if row["step"] == step and row["quorum"] == quorum and row.get("held") in held
+            if row["quorum"] == quorum and row.get("held") in held
             and (row["file"], row["attempt"]) not in voted
         ]  # fmt: skip
         if candidates:
@@ -215,7 +216,8 @@ def verify(
     verdict = Verdict(steps)
     lineages: dict[int, tuple[int, int]] = {}
     shares: dict[Try, dict[str, Any]] = {}
-    by_file: dict[str, list[dict[str, Any]]] = defaultdict(list)  # each worker's share lines, in order
+    by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))  # step ->
+    # each worker file's share lines of that step, in order
     committed: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)  # (lineage, step) -> commits
     summed: dict[tuple[int, int], set[Try]] = defaultdict(set)  # (lineage, step) -> attempts of any vote
     voted: set[Try] = set()
@@ -230,7 +232,7 @@ def verify(
             if (row["file"], row["attempt"]) in shares:
                 verdict.problems.append(f"step {row['step']}: a share line written twice ({row['file']})")
             shares[row["file"], row["attempt"]] = row
-            by_file[row["file"]].append(row)
+            by_step[row["step"]][row["file"]].append(row)
         elif kind == "commit":
             summed[row["lineage"], row["step"]].add((row["file"], row["attempt"]))
             voted.add((row["file"], row["attempt"]))
@@ -265,7 +267,7 @@ def verify(
             )
             continue
         key = (lineage_of[batch.step], batch.step)
-        lines = quorum_shares(by_file, batch.step, quorums[0], summed[key], voted)
+        lines = quorum_shares(by_step[batch.step], quorums[0], summed[key], voted)
         places = {(row["rank"], row["worker"]) for row in lines}
         participants = {row["participants"] for row in lines}
         if len(participants) != 1:
