@@ -25,8 +25,9 @@ cost). A save also quarantines any checkpoint of a step past its lineage's start
 lineage's states only, once the newer lineage has saved.
 
 Writers: the quorum rank 0 group's workers, on the time rotation of today's mode (checkpoint.interval,
-checkpoint.every_steps), rank 0 of that group deciding for its workers; the final state is committed by
-every group of the last quorum that does not find it committed already.
+checkpoint.every_steps), rank 0 of that group deciding for its workers. The final state is committed by the
+last quorum's rank 0 group; the others commit it only when it does not stand within
+checkpoint.final_retry_for (that group died writing it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from elastic_qa.checkpoint.manager import LoadedCheckpoint, Rejection
@@ -217,8 +217,3 @@ class ReplicaCheckpoints:
 
     def close(self) -> None:
         self.context.checkpointer.wait()
-
-
-def group_barrier(ctx: DistContext, group: ProcessGroup | None) -> None:
-    if ctx.distributed:
-        dist.barrier(group=group)
