@@ -61,7 +61,8 @@ def timeline(run_dir: Path) -> dict[str, float] | None:
     events = read_events(run_dir)
     old = {row.get("pid") for row in events if row.get("ts", 0) < killed}
     steps = [row for row in records(events, StepProgressRecord) if row.get("ts", 0) >= killed]
-    new_steps = [row for row in steps if row.get("pid") not in old]
+    # A new rank 0 also writes the lines the old one had in flight (`recovered`): not the new group's steps.
+    new_steps = [row for row in steps if row.get("pid") not in old and not row.get("recovered")]
     if not new_steps or not any(row["event"] == Event.TRAIN_START for row in events):
         return None  # the bare floor's trivial worker, or a kill the group never recovered from
     first = min(new_steps, key=lambda row: row["ts"])
