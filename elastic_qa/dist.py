@@ -6,6 +6,7 @@ import atexit
 import concurrent.futures.thread
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import socket
@@ -17,7 +18,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypedDict, TypeVar
+from typing import Any, NoReturn, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,8 +97,7 @@ def decide_on_rank0(
     from bad luck. Two broadcasts at most: the decision (with the refusal's length and type), then the
     refusal's text.
     """
-    hints = typing.get_type_hints(kind)
-    names = [field.name for field in dataclasses.fields(kind)]  # type: ignore[arg-type]
+    hints, names = _fields_of(kind)  # type: ignore[arg-type]
     header = torch.zeros(2 + len(names), dtype=torch.int64)  # refusal length, refusal type, the fields
     refusal = b""
     if ctx.is_main:
@@ -109,17 +109,25 @@ def decide_on_rank0(
             refusal = (str(err) or type(err).__name__).encode()[:MAX_REFUSAL]
             header[0] = len(refusal)
             header[1] = next(i for i, refused in enumerate(refusals) if isinstance(err, refused))
-    if ctx.distributed:
+    # A group of one (a replica group of one worker, every step) has no one to tell: no broadcast.
+    broadcasts = ctx.distributed and dist.get_world_size(group) > 1
+    if broadcasts:
         dist.broadcast(header, src=0, group=group)
     if header[0]:
         text = torch.zeros(int(header[0]), dtype=torch.uint8)
         if ctx.is_main:
             text[:] = torch.frombuffer(bytearray(refusal), dtype=torch.uint8)
-        if ctx.distributed:
+        if broadcasts:
             dist.broadcast(text, src=0, group=group)
         raise refusals[int(header[1])](text.numpy().tobytes().decode(errors="replace"))
     words = header[2:].tolist()
     return kind(**{name: _value(word, hints[name]) for name, word in zip(names, words, strict=True)})
+
+
+@functools.cache
+def _fields_of(kind: type) -> tuple[dict[str, Any], list[str]]:
+    """A decision kind's field types and names, in order (read once per kind: some decide every step)."""
+    return typing.get_type_hints(kind), [field.name for field in dataclasses.fields(kind)]
 
 
 def _word(value: object, of: object) -> int:

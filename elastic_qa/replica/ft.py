@@ -73,9 +73,16 @@ def _ms(delta: timedelta) -> int:
 class Quorum:
     """What one step's quorum says about this replica group."""
 
-    participants: int  # replica groups taking part in this step
-    rank: int  # this group's place among them (0 .. participants - 1)
+    participants: int  # replica groups taking part in this step (a group that heals in it does not)
+    rank: int | None  # this group's place among them (0 .. participants - 1); None: it heals in this step
     quorum_id: int
+    members: int = 0  # replica groups in the quorum, those that heal in this step included
+
+    @property
+    def heals(self) -> bool:
+        """This group sits the step out: it receives a live peer's state at the vote, and then takes the
+        step with its peers' summed gradients."""
+        return self.rank is None
 
 
 class ReplicaManager:
@@ -107,7 +114,9 @@ class ReplicaManager:
             load_state_dict=load_state,
             state_dict=state,
             min_replica_size=settings.min_replicas,
-            use_async_quorum=False,  # a healed group trains in the step it healed in, with its share
+            # The quorum is computed (and a heal fetched) while the step trains: the loop trains the last
+            # quorum's share before it knows this one, and a group that heals sits its heal step out.
+            use_async_quorum=True,
             timeout=collective,
             quorum_timeout=settings.quorum_timeout,
             connect_timeout=collective,
@@ -123,14 +132,22 @@ class ReplicaManager:
             quorum_retries=settings.quorum_retries,
         )
 
-    def start_step(self) -> Quorum:
-        """Join the quorum for the next step (healing from a peer first when this group is behind)."""
+    def begin_step(self) -> None:
+        """Ask for the next step's quorum without waiting for it: torchft computes it in the background (and
+        sends a peer this group's state, or fetches this group's from a peer, when the quorum says so)."""
         self.manager.start_quorum()
+
+    def quorum(self) -> Quorum:
+        """Wait for the quorum begin_step asked for. A group that is behind the quorum's newest members heals
+        from one of them: it takes no part in this step, and its peer's state is applied at the vote."""
+        self.manager.wait_quorum()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        if rank is None:  # sync quorum: every member takes part, so this is torchft's bug, not a fault
-            raise RuntimeError("torchft left this replica group out of the quorum it joined")
-        return Quorum(participants, rank, int(self.manager._quorum_id))
+        try:
+            members = self.pg.size()  # the cross-group group, configured for the whole quorum
+        except AssertionError:  # its configuration failed: the vote says no anyway
+            members = participants
+        return Quorum(participants, rank, int(self.manager._quorum_id), members)
 
     def sum_across_groups(self, flat: Any) -> None:
         """Sum `flat` over the quorum's groups in place (a failed peer is recorded, not raised: the vote
@@ -140,7 +157,8 @@ class ReplicaManager:
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
 
     def commit(self) -> bool:
-        """The commit vote: True only when every worker of every group of the quorum got through the step."""
+        """The commit vote: True only when every worker of this group got through the step (a failed sum
+        with another group is an error here too). A group that heals applies its peer's state first."""
         return bool(self.manager.should_commit())
 
     @property

@@ -3,15 +3,18 @@
 Started by torchrun (one torchrun job per replica group, DDP over the group's workers; `elastic-qa replicas`
 starts them), with ELASTIC_QA_REPLICA_GROUP and TORCHFT_LIGHTHOUSE set. Each step:
 
-    join the quorum (torchft; a group that is behind heals first from a live peer: replica/heal.py)
-    read the step's global batch at the cursor; train this worker's share of it (replica/shares.py)
+    ask for the step's quorum (torchft forms it in the background)
+    read the step's global batch at the cursor; meanwhile train this worker's share of it in the last
+        step's quorum (replica/shares.py); once the quorum is known, if it differs, train its share instead
     sum the gradients (and the loss) over the quorum's groups; vote
     committed: step the optimizer and the schedule, move the cursor and the step, write the step line
     not committed (a peer failed in the step): drop the gradients; the next quorum trains the same windows
 
 A group that loses a peer keeps training with the others: the vote of the step the peer died in says no,
 and the next quorum forms without it within about the Lighthouse's heartbeat timeout. torchrun restarts the
-dead group's workers, which heal from a live peer and join the next quorum.
+dead group's workers, which heal from a live peer and join the next quorum. A group that heals
+(replica/heal.py) sits its heal step out: its peers split the step's batch, the peer's state is applied at
+the vote, and the group then takes the step with its peers' summed gradients, leaving it where they are.
 
 Durable state (replica/durable.py): each quorum trains in a lineage claimed in the checkpoint store, which
 fences the saves of the quorum rank 0 group; a group that holds no state and finds no peer that can hold one
@@ -25,8 +28,10 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -82,6 +87,20 @@ def read_lineage_slots(slots: torch.Tensor) -> tuple[int, int, int]:
     return claimed, first, every
 
 
+_Result = TypeVar("_Result")
+
+
+@dataclass
+class Trained:
+    """A share trained for a quorum of `participants` groups at `rank`: its windows and their loss sum (the
+    gradients are in the parameters' .grad)."""
+
+    participants: int
+    rank: int
+    share: list[int]
+    loss_sum: torch.Tensor
+
+
 def params_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter's bytes, in order: equal digests are bitwise-equal replicas."""
     digest = hashlib.sha256()
@@ -121,7 +140,7 @@ class ReplicaTrainer:
         self._batches_step = 0  # the step the iterator yields next
         self._next_batch: GlobalBatch | None = None  # the step in progress's (kept until it commits)
         self.waiting_since = 0.0  # when this group, holding no state, began to wait for a peer (0: it is not)
-        self._quorum_key: tuple[int, int] | None = None  # (quorum id, participants) of the last step tried
+        self._quorum_key: tuple[int, int] | None = None  # (quorum id, members) of the last step tried
         self._claimed: int | None = None  # the lineage this group claimed for the current quorum
         self._last_rank = 0  # this group's quorum rank at its last committed step
 
@@ -144,6 +163,7 @@ class ReplicaTrainer:
         if lineage <= 0:
             raise ResumeError(f"a live peer sent the state of step {step} without its lineage")
         self.durable.adopt(lineage, int(files.get(LINEAGE_FILE, {}).get("began_at", step)))
+        self._batches = self._next_batch = None  # the state moved: the next batch is read at its cursor
         self.healed_from = before
         self.log.info(Event.HEAL, step=step, from_step=before, lineage=lineage)
 
@@ -156,21 +176,23 @@ class ReplicaTrainer:
         )  # fmt: skip
         self.model.train()
         self.durable.start_schedule()
-        last_quorum: int | None = None
+        last: Quorum | None = None  # the last step's quorum: the next step trains its share while it forms
         while state.step < state.end_step or not self.durable.lineage:
             started = time.perf_counter()
-            try:
-                quorum = self.manager.start_step()
-            except Exception as err:  # torchft gave up on the quorum: save what this group holds, restart
-                self.log.error(Event.NO_QUORUM, step=state.step, error=f"{type(err).__name__}: {err}")
-                self.durable.save_emergency(self.group, "no quorum")
-                raise
-            if quorum.quorum_id != last_quorum:
+            self._quorum_or_save(self.manager.begin_step)
+            trained = None
+            if last is not None and not last.heals and self.durable.lineage:
+                trained = self._train(self._batch(), last)  # speculatively: the quorum rarely changes
+            quorum = self._quorum_or_save(self.manager.quorum)
+            if quorum.quorum_id != (last.quorum_id if last else None):
                 self.log.info(
                     Event.QUORUM, step=state.step, quorum=quorum.quorum_id, participants=quorum.participants,
                     replica_rank=quorum.rank, lineage=self.durable.lineage,
                 )  # fmt: skip
-                last_quorum = quorum.quorum_id
+            last = quorum
+            if quorum.rank is None:  # behind the quorum: its state arrives at the vote
+                self._sit_out(quorum, started)
+                continue
             position = ReplicaPosition.decode(self.manager.position)
             if position != ReplicaPosition(self.durable.lineage, state.step):
                 raise RuntimeError(
@@ -182,57 +204,22 @@ class ReplicaTrainer:
                 continue
             lineage = self._lineage_for(quorum)
             batch = self._batch()
-            share = share_of(batch, quorum.participants, quorum.rank, self.ctx.world_size, self.ctx.rank)
+            if trained is None or trained.participants != quorum.participants or trained.rank != quorum.rank:
+                state.optimizer.zero_grad(set_to_none=True)  # the quorum changed: train this one's share
+                trained = self._train(batch, quorum)
             if self.ledger:
                 self.ledger.share(
-                    batch.step, batch.epoch, quorum.quorum_id, quorum.participants, quorum.rank, share,
-                    held=self.durable.lineage,
+                    batch.step, batch.epoch, quorum.quorum_id, trained.participants, trained.rank,
+                    trained.share, held=self.durable.lineage,
                 )  # fmt: skip
-            if self.draws_random:
-                rank = quorum.rank * self.ctx.world_size + self.ctx.rank
-                seed_step_rng(step_seed(cfg.run.seed, batch.step, rank), self.ctx.device)
-            step_batch = share_batch(self.data.train, batch, share, self.lengths, self.family.full_width)
-            loss_sum = accumulate_gradients(
-                self.model,
-                self.family,
-                step_batch,
-                self.ctx,
-                cfg.train.micro_batch_size,
-                self.dtype,
-                state.scaler,
-            )
-            total_loss, agreed = self._sum_across_groups(loss_sum, quorum, lineage)
+            total_loss, agreed = self._sum_across_groups(trained.loss_sum, quorum, lineage)
             committed = self.manager.commit()
             if self.ledger:
                 self.ledger.commit(batch.step, quorum.quorum_id, committed, agreed)
             if not committed:
-                state.optimizer.zero_grad(set_to_none=True)
-                self.log.warning(
-                    Event.STEP_NOT_COMMITTED, step=batch.step, quorum=quorum.quorum_id,
-                    error=self.manager.errored() or "a peer of the quorum failed",
-                )  # fmt: skip
+                self._not_committed(batch.step, quorum)
                 continue
-            logged = self._logs_line(batch.step)  # else, unless it clips, no step needs the gradient norm
-            grad_norm = optimizer_step(state, self.trained, cfg.train.grad_clip, norm_wanted=logged)
-            state.complete_step(batch.step, batch.epoch, batch.global_count, int(step_batch.global_tokens))
-            self._next_batch = None
-            if agreed != self.durable.lineage:
-                self.durable.adopt(agreed, batch.step - 1)
-                self.manager.set_position(ReplicaPosition(agreed, batch.step).encode())
-            writer = quorum.rank == 0
-            self._last_rank = quorum.rank
-            if writer and self.ctx.rank == 0 and logged:
-                seconds = time.perf_counter() - started
-                self.log.info(
-                    Event.STEP, step=batch.step, epoch=batch.epoch, loss=total_loss / batch.global_count,
-                    lr=state.scheduler.get_last_lr()[0], grad_norm=float(grad_norm or 0.0),
-                    samples_per_s=batch.global_count / seconds if seconds > 0 else 0.0,
-                    cursor=state.cursor.samples_consumed, quorum=quorum.quorum_id,
-                    participants=quorum.participants, replica_group=self.group, lineage=agreed,
-                )  # fmt: skip
-            if writer and batch.step < state.end_step and self.durable.save_due(batch.step):
-                self.durable.save()
-            self._after_step(batch.step)
+            self._complete(batch, quorum, agreed, total_loss, started)
         # The last quorum's rank 0 group commits the final state; the others commit it only when it does not
         # stand within the final save's retry window (that group died writing it).
         writes_final = self._last_rank == 0
@@ -257,11 +244,85 @@ class ReplicaTrainer:
         self._batches_step = step + 1
         return self._next_batch
 
+    def _quorum_or_save(self, call: Callable[[], _Result]) -> _Result:
+        """A quorum call; when torchft gives up on the quorum (the Lighthouse unreachable past its retries),
+        this group saves what it holds and fails, and its torchrun restarts it."""
+        try:
+            return call()
+        except Exception as err:
+            self.log.error(Event.NO_QUORUM, step=self.state.step, error=f"{type(err).__name__}: {err}")
+            self.durable.save_emergency(self.group, "no quorum")
+            raise
+
+    def _train(self, batch: GlobalBatch, quorum: Quorum) -> Trained:
+        """Forward and backward over this worker's share of `batch` in `quorum` (gradients left in .grad)."""
+        assert quorum.rank is not None
+        share = share_of(batch, quorum.participants, quorum.rank, self.ctx.world_size, self.ctx.rank)
+        if self.draws_random:
+            rank = quorum.rank * self.ctx.world_size + self.ctx.rank
+            seed_step_rng(step_seed(self.cfg.run.seed, batch.step, rank), self.ctx.device)
+        step_batch = share_batch(self.data.train, batch, share, self.lengths, self.family.full_width)
+        loss_sum = accumulate_gradients(
+            self.model, self.family, step_batch, self.ctx, self.cfg.train.micro_batch_size, self.dtype,
+            self.state.scaler,
+        )  # fmt: skip
+        return Trained(quorum.participants, quorum.rank, share, loss_sum)
+
+    def _sit_out(self, quorum: Quorum, started: float) -> None:
+        """A step this group takes no part in: it heals from a peer. Its gradients count as zeros in the sum
+        (torchft zeroes them), the peer's state is applied at the vote, and a committed step is then taken
+        with the peers' summed gradients, so that the group leaves the step where its peers do."""
+        self.state.optimizer.zero_grad(set_to_none=True)
+        total_loss, agreed = self._sum_across_groups(torch.zeros(()), quorum, self.durable.lineage)
+        committed = self.manager.commit()  # applies the peer's state (self._load_state) first
+        if not committed:
+            self._not_committed(self.state.step + 1, quorum)
+            return
+        self._complete(self._batch(), quorum, agreed, total_loss, started)
+
+    def _not_committed(self, step: int, quorum: Quorum) -> None:
+        self.state.optimizer.zero_grad(set_to_none=True)
+        self.log.warning(
+            Event.STEP_NOT_COMMITTED, step=step, quorum=quorum.quorum_id,
+            error=self.manager.errored() or "a peer of the quorum failed",
+        )  # fmt: skip
+
+    def _complete(
+        self, batch: GlobalBatch, quorum: Quorum, agreed: int, total_loss: float, started: float
+    ) -> None:
+        """The step committed: step the optimizer and the schedule, move the cursor, log, checkpoint."""
+        state, cfg = self.state, self.cfg
+        logged = self._logs_line(batch.step)  # else, unless it clips, no step needs the gradient norm
+        grad_norm = optimizer_step(state, self.trained, cfg.train.grad_clip, norm_wanted=logged)
+        state.complete_step(
+            batch.step, batch.epoch, batch.global_count, int(self.lengths[batch.global_indices].sum())
+        )
+        self._next_batch = None
+        if agreed != self.durable.lineage:
+            self.durable.adopt(agreed, batch.step - 1)
+            self.manager.set_position(ReplicaPosition(agreed, batch.step).encode())
+        writer = quorum.rank == 0
+        self._last_rank = -1 if quorum.rank is None else quorum.rank
+        if writer and self.ctx.rank == 0 and logged:
+            seconds = time.perf_counter() - started
+            self.log.info(
+                Event.STEP, step=batch.step, epoch=batch.epoch, loss=total_loss / batch.global_count,
+                lr=state.scheduler.get_last_lr()[0], grad_norm=float(grad_norm or 0.0),
+                samples_per_s=batch.global_count / seconds if seconds > 0 else 0.0,
+                cursor=state.cursor.samples_consumed, quorum=quorum.quorum_id,
+                participants=quorum.participants, replica_group=self.group, lineage=agreed,
+            )  # fmt: skip
+        if writer and batch.step < state.end_step and self.durable.save_due(batch.step):
+            self.durable.save()
+        self._after_step(batch.step)
+
     def _sum_across_groups(self, loss_sum: torch.Tensor, quorum: Quorum, lineage: int) -> tuple[float, int]:
         """Sum the gradients, the loss and the lineage slots over the quorum's groups, in one all-reduce of
         one flat tensor; the global batch's loss sum and the lineage the step commits in."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trained]
-        slots = lineage_slots(lineage, self.durable.lineage, quorum.rank == 0)
+        slots = lineage_slots(
+            lineage, self.durable.lineage, quorum.rank == 0
+        )  # zeros from a group that heals
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1).float(), slots])
         self.manager.sum_across_groups(flat)
         offset = 0
@@ -296,7 +357,7 @@ class ReplicaTrainer:
         if quorum.rank == 0 and (everyone or waited > self.cfg.replica.quorum_timeout.total_seconds()):
             lineage, parent, step = self.durable.bootstrap()
             self.manager.set_position(ReplicaPosition(lineage, step).encode())
-            self._quorum_key, self._claimed = (quorum.quorum_id, quorum.participants), lineage
+            self._quorum_key, self._claimed = (quorum.quorum_id, quorum.members), lineage
             if self.ledger:
                 self.ledger.lineage(lineage, parent, step)
             self.log.info(Event.LINEAGE, lineage=lineage, parent=parent, step=step, restored=step > 0)
@@ -307,7 +368,7 @@ class ReplicaTrainer:
         """The lineage this quorum trains in, as this group sees it: a quorum that differs from the one of the
         last step this group tried (another id or another number of members) starts a new lineage, which its
         rank 0 group claims now; any other group proposes the lineage it holds (only rank 0's counts)."""
-        key = (quorum.quorum_id, quorum.participants)
+        key = (quorum.quorum_id, quorum.members)
         if key != self._quorum_key:
             self._quorum_key, self._claimed = key, None
             if quorum.rank == 0:
