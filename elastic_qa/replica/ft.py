@@ -15,8 +15,10 @@ memory).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,6 +71,76 @@ def _ms(delta: timedelta) -> int:
     return max(1, int(delta.total_seconds() * 1000))
 
 
+INCARNATION_ENV = "ELASTIC_QA_LIGHTHOUSE_INCARNATION"  # the file a group reads its Lighthouse's start from
+INCARNATION_SPAN = 10**9  # quorum ids of a Lighthouse incarnation n > 1 are (n - 1) * SPAN + torchft's id
+QUORUM_FIELDS = (
+    "quorum_id", "replica_rank", "replica_world_size", "recover_src_manager_address",
+    "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank",
+    "max_world_size", "heal", "replica_ids",
+)  # fmt: skip
+
+
+class LighthouseIncarnation:
+    """Which start of the job's Lighthouse answers now, read from the file its launcher writes before each
+    start (`{"incarnation": n}`, replaced atomically).
+
+    A restarted Lighthouse numbers its quorums from 1 again, and torchft reconfigures its cross-group process
+    group only when the quorum id changes: a group whose last quorum under the old Lighthouse had the id the
+    new one gives next kept a process group wired to its old peers, and the step hung until the collective
+    timeout (measured: 3 of 10 Lighthouse kills cost 11-51 s). Every group reads the same incarnation for
+    the same quorum (the file is written before the Lighthouse that answers starts), so ids made unique per
+    incarnation make every member reconfigure together. The file is read again only when it changed (one
+    stat per quorum), and only a file of this user is trusted."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.value = path, 1
+        self._seen: tuple[int, int, int] | None = None
+
+    def current(self) -> int:
+        if not self.path:
+            return self.value
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return self.value
+        seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen and stat.st_uid == os.getuid():
+            try:
+                with open(self.path) as handle:
+                    self.value = int(json.load(handle)["incarnation"])
+                self._seen = seen
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # torn or foreign: keep the last one read, and read it again next time
+        return self.value
+
+    @staticmethod
+    def write(path: Path, incarnation: int) -> None:
+        """The launcher's side: record that start `incarnation` of the Lighthouse answers from now on (called
+        before that Lighthouse starts)."""
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps({"incarnation": incarnation}))
+        os.replace(temporary, path)
+
+    def quorum_id(self, torchft_id: int) -> int:
+        return (self.current() - 1) * INCARNATION_SPAN + torchft_id
+
+
+class _IncarnationClient:
+    """torchft's ManagerClient, its quorums' ids made unique across Lighthouse restarts."""
+
+    def __init__(self, client: Any, incarnation: LighthouseIncarnation) -> None:
+        self._client, self._incarnation = client, incarnation
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        fields = {name: getattr(result, name) for name in QUORUM_FIELDS}
+        fields["quorum_id"] = self._incarnation.quorum_id(int(result.quorum_id))
+        return types.SimpleNamespace(**fields)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 @dataclass(frozen=True)
 class Quorum:
     """What one step's quorum says about this replica group."""
@@ -102,6 +174,7 @@ class ReplicaManager:
         group_rank: int = 0,
         group_world_size: int = 1,
         store: tuple[str, int] | None = None,
+        incarnation_file: str | None = None,
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
@@ -130,6 +203,9 @@ class ReplicaManager:
             checkpoint_transport=transport,
             init_sync=False,  # every group builds the same weights from run.seed
             quorum_retries=settings.quorum_retries,
+        )
+        self.manager._client = _IncarnationClient(
+            self.manager._client, LighthouseIncarnation(incarnation_file)
         )
 
     def begin_step(self) -> None:

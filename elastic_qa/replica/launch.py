@@ -40,7 +40,7 @@ from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
 from elastic_qa.observe.events import Event
-from elastic_qa.replica.ft import lighthouse_command, require_torchft
+from elastic_qa.replica.ft import INCARNATION_ENV, LighthouseIncarnation, lighthouse_command, require_torchft
 from elastic_qa.session.hold import RunHeldError, RunHold
 
 WORKER = "elastic_qa.replica.worker"
@@ -63,7 +63,12 @@ class ReplicaJob:
         self.stopping = threading.Event()
         self._records = self.run_dir / "agents" / "replicas.jsonl"
         self._lock = threading.Lock()
-        self.env = python_env({**os.environ, KEY_ENV: os.environ.get(KEY_ENV) or secrets.token_hex(32)})
+        self.incarnation_file = self.run_dir / "agents" / "lighthouse.json"
+        self.incarnation = 0  # how often the Lighthouse was started
+        self.env = python_env({
+            **os.environ, KEY_ENV: os.environ.get(KEY_ENV) or secrets.token_hex(32),
+            INCARNATION_ENV: str(self.incarnation_file),
+        })  # fmt: skip
         self.env.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
     def record(self, event: str, **fields: Any) -> None:
@@ -72,32 +77,45 @@ class ReplicaJob:
             out.write(line + "\n")
 
     # ---- the Lighthouse ------------------------------------------------------------------------------
-    def start_lighthouse(self) -> None:
-        """Start torchft's Lighthouse at the job's address and wait until it listens."""
+    def start_lighthouse(self, within_s: float | None = 30.0) -> None:
+        """Start torchft's Lighthouse at the job's address and wait until it listens: RuntimeError when it
+        exits first, or does not listen within `within_s` (None: as long as it lives)."""
+        self.incarnation += 1  # before it starts: every quorum it gives is read with its incarnation
+        LighthouseIncarnation.write(self.incarnation_file, self.incarnation)
         log = open(self.run_dir / "agents" / "lighthouse.log", "ab")  # noqa: SIM115 (the child's)
         with log:
-            self.lighthouse = subprocess.Popen(
+            self.lighthouse = lighthouse = subprocess.Popen(
                 lighthouse_command(self.port, self.cfg.replica, LOOPBACK),
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=tied_to_this_process(),
             )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.lighthouse.poll() is not None:
-                raise RuntimeError(f"the Lighthouse exited {self.lighthouse.returncode}: see {log.name}")
+        deadline = None if within_s is None else time.monotonic() + within_s
+        while deadline is None or time.monotonic() < deadline:
+            if lighthouse.poll() is not None:
+                raise RuntimeError(f"the Lighthouse exited {lighthouse.returncode}: see {log.name}")
             with socket.socket() as probe:
                 if probe.connect_ex((LOOPBACK, self.port)) == 0:
-                    self.record(Event.LIGHTHOUSE_STARTED, pid=self.lighthouse.pid, port=self.port)
+                    self.record(
+                        Event.LIGHTHOUSE_STARTED, pid=lighthouse.pid, port=self.port,
+                        incarnation=self.incarnation,
+                    )  # fmt: skip
                     return
-            time.sleep(0.02)
-        raise RuntimeError(f"the Lighthouse did not listen on {LOOPBACK}:{self.port} within 30 s")
+            if self.stopping.wait(0.02):
+                return
+        raise RuntimeError(f"the Lighthouse did not listen on {LOOPBACK}:{self.port} within {within_s:.0f} s")
 
     def supervise_lighthouse(self) -> None:
-        """Start the Lighthouse again, at the same address, whenever it exits before the job ends."""
+        """Start the Lighthouse again, at the same address, whenever it exits before the job ends. A start
+        on a loaded host may take long: it is waited for as long as the new Lighthouse lives; one that exits
+        at once (its port not free yet) is started again after a short pause."""
         while not self.stopping.is_set():
             lighthouse = self.lighthouse
             if lighthouse is not None and lighthouse.poll() is not None and not self.stopping.is_set():
                 self.record(Event.LIGHTHOUSE_EXIT, pid=lighthouse.pid, code=lighthouse.returncode)
-                self.start_lighthouse()
+                try:
+                    self.start_lighthouse(within_s=None)
+                except RuntimeError:  # it exited: the next turn records it and starts another
+                    self.stopping.wait(0.5)
+                    continue
             self.stopping.wait(0.05)
 
     # ---- the groups ----------------------------------------------------------------------------------

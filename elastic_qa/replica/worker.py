@@ -52,7 +52,7 @@ from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import configure_logging, get_logger
 from elastic_qa.prep import prepare
 from elastic_qa.replica.durable import ReplicaCheckpoints, ReplicaPosition
-from elastic_qa.replica.ft import Quorum, ReplicaManager, require_torchft, safe_transport
+from elastic_qa.replica.ft import INCARNATION_ENV, Quorum, ReplicaManager, require_torchft, safe_transport
 from elastic_qa.replica.heal import HealError, HealServer, fetch, heal_key
 from elastic_qa.replica.shares import ReplicaLedger, share_batch, share_of
 from elastic_qa.step_holds import hold_after_step, hold_before_heal
@@ -132,7 +132,7 @@ class ReplicaTrainer:
         transport = safe_transport(self.server, lambda url, step, timeout: fetch(url, step, key, timeout))
         self.manager = ReplicaManager(
             cfg.replica, group, lighthouse, self._state_files, self._load_state, transport,
-            ctx.rank, ctx.world_size,
+            ctx.rank, ctx.world_size, incarnation_file=os.environ.get(INCARNATION_ENV),
         )  # fmt: skip
         self.ledger = ReplicaLedger(cfg.run.dir, group, ctx.rank) if cfg.debug.sample_ledger else None
         self.durable = ReplicaCheckpoints(cfg, ctx, self.state, world)

@@ -58,6 +58,18 @@ def launcher_records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def launcher_record(run_dir: Path, job: Any, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The first line of the launcher's own record that passes `check`, waiting for it (the job must live)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        found = next((record for record in launcher_records(run_dir) if check(record)), None)
+        if found is not None:
+            return found
+        assert job.poll() is None, "the job ended"
+        time.sleep(0.05)
+    raise TimeoutError(f"no such launcher record in {run_dir}")
+
+
 def worker_pid(run_dir: Path, group: int) -> int:
     """The pid of group `group`'s newest worker."""
     starts = [
@@ -304,6 +316,54 @@ def test_a_killed_lighthouse_is_started_again_and_the_job_ends_whole(tmp_path: P
     check_the_end(run_dir, cache_dir)
     together = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 10]
     assert together and together[-1]["participants"] == 2
+
+
+def test_quorum_ids_given_again_by_a_restarted_lighthouse_cost_no_step(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """A restarted Lighthouse numbers its quorums from 1 again. Group 1 is stopped while the Lighthouse is
+    killed, so the new one first gives group 0 a quorum of its own (id 1), then both groups one (id 2):
+    whichever of those ids a group last had under the old Lighthouse, torchft alone would keep that group's
+    process group wired to its old peers and the step would hang to the collective timeout (3 of 10 kills
+    cost 11-51 s). With ids unique per Lighthouse start, no step fails and no worker restarts."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [10])
+    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "replica.collective_timeout=5s")
+    stopped = 0
+    try:
+        held(run_dir, job, 10)
+        stopped = worker_pid(run_dir, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        first = next(e for e in launcher_records(run_dir) if e["event"] == "lighthouse_started")
+        os.kill(first["pid"], signal.SIGKILL)
+        restarted = launcher_record(
+            run_dir, job, lambda r: r["event"] == "lighthouse_started" and r["incarnation"] == 2
+        )["ts"]
+        release(holds, 10)
+        wait_for(
+            run_dir, job, "group 0 training alone under the new Lighthouse",
+            lambda e: e.get("event") == "step" and e.get("replica_group") == 0 and e["participants"] == 1
+            and e["ts"] > restarted,
+        )  # fmt: skip
+        os.kill(stopped, signal.SIGCONT)
+        stopped = 0
+        assert finished(job) == 0
+    finally:
+        release_all(holds)
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    failed = [e for e in events if e.get("event") == "step_not_committed" and e["ts"] > restarted]
+    assert not failed, failed
+    woken = [
+        e for e in events if e.get("event") == "heal" and e["replica_group"] == 1 and e["ts"] > restarted
+    ]
+    assert woken and woken[0]["pid"] == worker_pid(run_dir, 1)  # healed in the same process: no restart
+    quorums = {e["quorum"] for e in events if e.get("event") == "quorum" and e["ts"] > restarted}
+    assert quorums and min(quorums) > 10**9, quorums  # the second Lighthouse's ids
+    check_the_end(run_dir, cache_dir)
 
 
 # ---- no quorum within the bound ---------------------------------------------------------------------

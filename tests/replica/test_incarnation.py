@@ -1,0 +1,66 @@
+"""Quorum ids unique across Lighthouse restarts: the incarnation file the launcher writes, read by groups."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from elastic_qa.replica.ft import (
+    INCARNATION_SPAN,
+    QUORUM_FIELDS,
+    LighthouseIncarnation,
+    _IncarnationClient,
+)
+
+
+def test_the_first_lighthouse_keeps_torchfts_ids_and_each_restart_moves_them_past_every_earlier_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "lighthouse.json"
+    incarnation = LighthouseIncarnation(str(path))
+    assert incarnation.quorum_id(2) == 2  # no file yet: the first start
+    LighthouseIncarnation.write(path, 1)
+    assert incarnation.quorum_id(2) == 2
+    LighthouseIncarnation.write(path, 2)
+    assert incarnation.quorum_id(1) == INCARNATION_SPAN + 1
+    LighthouseIncarnation.write(path, 3)
+    assert incarnation.quorum_id(1) == 2 * INCARNATION_SPAN + 1
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))  # the temporary file renamed
+
+
+def test_a_torn_or_foreign_file_keeps_the_last_incarnation_read(tmp_path: Path) -> None:
+    path = tmp_path / "lighthouse.json"
+    LighthouseIncarnation.write(path, 2)
+    incarnation = LighthouseIncarnation(str(path))
+    assert incarnation.current() == 2
+    path.write_text('{"incarn')
+    assert incarnation.current() == 2
+    path.write_text('{"incarnation": "three"}')
+    assert incarnation.current() == 2
+    LighthouseIncarnation.write(path, 3)
+    assert incarnation.current() == 3
+
+
+def test_no_file_named_means_torchfts_own_ids() -> None:
+    assert LighthouseIncarnation(None).quorum_id(7) == 7
+
+
+class FakeClient:
+    """torchft's ManagerClient as the wrapper sees it: `_quorum` and one other call."""
+
+    def _quorum(self, **kwargs: object) -> SimpleNamespace:
+        return SimpleNamespace(**{name: f"{name}-value" for name in QUORUM_FIELDS} | {"quorum_id": 4})
+
+    def should_commit(self, *args: object) -> bool:
+        return True
+
+
+def test_the_client_rewrites_only_the_quorum_id_and_passes_every_other_call_through(tmp_path: Path) -> None:
+    path = tmp_path / "lighthouse.json"
+    LighthouseIncarnation.write(path, 2)
+    client = _IncarnationClient(FakeClient(), LighthouseIncarnation(str(path)))
+    result = client._quorum(group_rank=0, step=1)
+    assert result.quorum_id == INCARNATION_SPAN + 4
+    assert all(getattr(result, name) == f"{name}-value" for name in QUORUM_FIELDS if name != "quorum_id")
+    assert client.should_commit(0, 1, True) is True
