@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elastic_qa.config import Config
+from elastic_qa.observe.events import Event
 from elastic_qa.observe.log import get_logger
 
 POLL_S = 0.05
@@ -104,7 +105,7 @@ def _wait_for_release(
     # Said even when the release came first (the driver saw step N logged and fired before this rank got
     # here): the evidence that the job did not pass N before the fault is this line, either way.
     already = released.exists()
-    log.info("hold", step=step, hold=hold, waiting_for=str(released), timeout_s=timeout, released=already)
+    log.info(Event.HOLD, step=step, hold=hold, waiting_for=str(released), timeout_s=timeout, released=already)
     if already:
         return
     started = time.monotonic()
@@ -137,7 +138,7 @@ def hold_before_heal(cfg: Config, step: int) -> None:
         hold = pending.pop(0)
         released = hold_dir / _name(HEAL_RELEASE, hold)
         log.info(
-            "hold", step=step, hold=hold, heal=True, waiting_for=str(released), released=released.exists()
+            Event.HOLD, step=step, hold=hold, heal=True, waiting_for=str(released), released=released.exists()
         )
         deadline = time.monotonic() + cfg.debug.hold_timeout.total_seconds()
         while not released.exists() and time.monotonic() < deadline:

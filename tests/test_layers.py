@@ -40,7 +40,7 @@ ENTRY_USES = {
     "cli": {"train", "ckpt", "bench", "chaos", "launcher", "serve", "replica"},
     "replica": {"launcher"},  # the loopback stores and process helpers its launcher shares
     "bench": {"chaos", "launcher", "replica"},
-    "chaos": {"launcher"},
+    "chaos": {"launcher", "replica"},  # chaos/replicas.py drives `elastic-qa replicas`, judges its ledger
     "launcher": {"train"},  # launcher/warm_start.py: the forkserver imports the worker for its forks
     "api": {"train", "launcher"},
 }

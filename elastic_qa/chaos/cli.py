@@ -3,6 +3,7 @@
     elastic-qa chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
                          (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
                          [--min-gap 2s] [-- key=value ...]
+    elastic-qa chaos run --replicas 2 --run-dir DIR [--config tiny] --fault KIND@step=N ... [key=value ...]
     elastic-qa chaos verify DIR [--reference REF_DIR]
     elastic-qa chaos schedule --seed S --faults N [--config tiny] [key=value ...]   # print it, fitted
 
@@ -10,6 +11,8 @@
 
 Fault kinds: kill-worker, kill-node, term-node, join-node, freeze-worker, kill-during-save,
 corrupt-checkpoint, storage-errors, final-storage-errors, corrupt-replay, log-full, hup, second-job.
+With --replicas N the job is `elastic-qa replicas` (N replica groups), and its faults are kill-worker,
+kill-lighthouse, stall-replica (for= required) and kill-during-heal, by step (elastic_qa/chaos/replicas.py).
 A random schedule triggers its faults by step, one per slice of train.max_steps, and slows the job down
 (debug.step_delay) when a slice would pass in less than --min-gap. The verdict prints a table (one row per
 fault: kind, step, lost steps, recovery seconds, verdict) and writes <DIR>/chaos/report.json and
@@ -128,14 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is killed")
             p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
             p.add_argument(
+                "--replicas",
+                type=int,
+                help="the replica-group mode: `elastic-qa replicas` with this many groups (faults: "
+                "kill-worker, kill-lighthouse, stall-replica, kill-during-heal)",
+            )
+            p.add_argument(
                 "--reference-cache",
                 default="~/.cache/elastic_qa/chaos-reference",
                 help="where reference runs are kept, keyed by config",
             )
         p.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
-        p.add_argument("--agents", type=int, default=2, help="agents at the start (default 2)")
-        p.add_argument("--min", type=int, default=1, help="fewest agents (default 1)")
-        p.add_argument("--max", type=int, default=4, help="most agents (default 4)")
+        # No defaults here: --replicas refuses them given (main fills them in for the default mode).
+        p.add_argument("--agents", type=int, help="agents at the start (default 2)")
+        p.add_argument("--min", type=int, help="fewest agents (default 1)")
+        p.add_argument("--max", type=int, help="most agents (default 4)")
         p.add_argument("--fault", action="append", default=[], help=f"KIND@step=N or KIND@time=20s; {KINDS}")
         p.add_argument("--seed", type=int, default=0, help="seed of the random schedule and target choices")
         p.add_argument("--faults", type=int, default=0, help="random schedule: number of faults")
@@ -158,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return cmd_verify(args)
+        if getattr(args, "replicas", None) is not None:
+            from elastic_qa.chaos.replicas import cmd_run_replicas
+
+            return cmd_run_replicas(args)
+        args.agents = 2 if args.agents is None else args.agents
+        args.min = 1 if args.min is None else args.min
+        args.max = 4 if args.max is None else args.max
         if not 1 <= args.min <= args.agents <= args.max:
             raise ValueError(
                 f"need 1 <= --min ({args.min}) <= --agents ({args.agents}) <= --max ({args.max})"

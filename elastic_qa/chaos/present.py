@@ -23,6 +23,7 @@ CHECK_TITLES = {
     "checkpoints": "Every committed checkpoint verifies",
     "checkpoint_history": "Checkpoint history: done claims, fencing, retention",
     "faults_injected": "Every requested fault was injected",
+    "same_parameters": "Every replica group ended with the same parameters",
     "matches_reference": "The final model matches a fault-free run",
 }
 
@@ -58,6 +59,22 @@ def describe_check(name: str, detail: Any) -> tuple[str, list[str]]:
     if not isinstance(detail, dict):
         return plain(detail), []
     problems = [plain(p) for p in detail.get("problems", [])]
+    if name == "exactly_once" and "discarded" in detail:  # the replica mode's ledger (replica/shares.py)
+        tries = f"{detail['retried']} {'try' if detail['retried'] == 1 else 'tries'}"
+        sentence = (
+            f"{_plural(detail['steps'], 'step')} of the final chain of "
+            f"{_plural(len(detail['lineages']), 'lineage')}, {tries} not committed and trained again, "
+            f"{_plural(detail['discarded'], 'step')} of other lineages discarded"
+        )
+        return sentence + ("" if problems else ": each window once"), problems
+    if name == "same_parameters" and "params_sha256" in detail:
+        digests = detail["params_sha256"]
+        if problems or len(digests) != 1:
+            return f"{_plural(detail.get('groups', 0), 'train_done line')}", problems
+        return (
+            f"{_plural(detail['groups'], 'group')} ended with parameters sha256 {digests[0][:16]}..., "
+            "and so does the final checkpoint"
+        ), problems
     if name == "exactly_once" and "steps" in detail:
         sentence = (
             f"{_plural(detail['steps'], 'step')} in the ledger, "

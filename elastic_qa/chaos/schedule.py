@@ -102,11 +102,12 @@ def format_duration_s(seconds: float) -> str:
     return format_duration(timedelta(seconds=seconds))
 
 
-def parse_fault(text: str) -> Fault:
-    """`KIND@step=N`, `KIND@time=20s`, optionally `,for=5s` (see DEFAULT_FOR for what the window is)."""
+def parse_fault(text: str, kinds: tuple[str, ...] = KINDS) -> Fault:
+    """`KIND@step=N`, `KIND@time=20s`, optionally `,for=5s` (see DEFAULT_FOR for what the window is);
+    KIND one of `kinds` (the replica-group mode has kinds of its own: chaos/replicas.py)."""
     kind, sep, rest = text.partition("@")
-    if kind not in KINDS:
-        raise ValueError(f"--fault {text!r}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
+    if kind not in kinds:
+        raise ValueError(f"--fault {text!r}: unknown fault {kind!r} (one of {', '.join(kinds)})")
     if not sep:
         raise ValueError(f"--fault {text!r}: say when, e.g. {kind}@step=40 or {kind}@time=20s")
     at_step = at_time = None

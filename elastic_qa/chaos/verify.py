@@ -1,6 +1,7 @@
 """The verdict: from a run's logs, ledger, checkpoints and fault records, did recovery lose anything?
 
-Checks (exit code 0 only when all hold):
+A run of the replica-group mode (`elastic-qa replicas`: its launcher left agents/replicas.jsonl) is judged
+by that mode's own checks instead (elastic_qa.chaos.replica_verdict). Checks (exit code 0 only when all hold):
 1. the job completed train.max_steps (the main job: a second job's lines do not count) and, where the
    runner recorded it, exited 0;
 2. the effective training order (per step, the highest attempt that ran it) is exactly the planned global
@@ -183,7 +184,11 @@ def _completed(cfg: Config, events: list[dict], actions: list[dict], copies: lis
 
 
 def verify_run(run_dir: Path, reference_dir: Path | None = None) -> Verdict:
+    from elastic_qa.chaos.replica_verdict import is_replica_run, verify_replica_run
+
     run_dir = Path(run_dir)
+    if is_replica_run(run_dir):  # `elastic-qa replicas`: judged by the replica mode's checks
+        return verify_replica_run(run_dir, reference_dir)
     cfg = run_config(run_dir)
     all_events = read_events(run_dir)
     faults, actions = read_faults(run_dir), read_actions(run_dir)

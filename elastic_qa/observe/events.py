@@ -70,6 +70,7 @@ class Event(str, Enum):
     AGENT_LOST = "agent_lost"
     DEBUG_KILL = "debug_kill"
     LOG_LINES_DROPPED = "log_lines_dropped"
+    HOLD = "hold"  # held after a step, or before a heal's state leaves (step_holds.py: chaos runs)
     # a worker of a replica group (replica/worker.py)
     QUORUM = "quorum"
     HEAL = "heal"
