@@ -16,6 +16,8 @@
     elastic-qa serve MODEL [--port N] [--max-batch N] [...]   answer questions over HTTP (JSON API, a page)
     elastic-qa node --endpoint HOST0:29400 --nnodes 1:4 --nproc-per-node N [--store-host] [...]
                                                         this host's part of a multi-node job (torchrun)
+    elastic-qa node --replicas --group N --endpoint HOST0:29510 [--store-host] [...]
+                                                        this host's replica group of a replica-group job
 
 A checkpoint PATH is a run directory, its checkpoints directory (the newest valid checkpoint) or one
 step-N directory. Elastic training: `launch/local.sh start` in a checkout (installed:
@@ -280,6 +282,10 @@ def _command(argv: list[str]) -> int:
         from elastic_qa.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["node"] and "--replicas" in argv:  # one host's replica group (its own module)
+        from elastic_qa.replica.node import main as replica_node_main
+
+        return replica_node_main(argv[1:])
     if argv[:1] == ["node"]:  # likewise: its overrides and `--help` are its own
         from elastic_qa.launcher.node import main as node_main
 

@@ -527,7 +527,8 @@ class ReplicaConfig:
     training while one of them restarts, their quorums formed through torchft's Lighthouse."""
 
     groups: int = 2
-    """Replica groups the launcher starts on this host (each its own torchrun job)."""
+    """Replica groups of the job, each its own torchrun job: `elastic-qa replicas` starts them all on this
+    host; with `elastic-qa node --replicas` each host runs one (`--group 0` .. `groups - 1`)."""
     nproc_per_group: int = 1
     """Worker processes in each replica group (DDP inside the group)."""
     min_replicas: int = 1
@@ -547,7 +548,8 @@ class ReplicaConfig:
     quorum_retries: int = 20
     """Quorum requests retried while the Lighthouse is down (it is restarted at the same address)."""
     lighthouse_port: int = 0
-    """The Lighthouse's port on the launcher's host (0: a free one, chosen once per job)."""
+    """The Lighthouse's port on the launcher's host (0: a free one, chosen once per job); `elastic-qa node
+    --replicas` takes the --endpoint's (a different one here is refused)."""
 
     def __post_init__(self) -> None:
         _require(self.groups >= 1, "groups", self.groups, "must be >= 1")

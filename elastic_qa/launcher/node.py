@@ -9,6 +9,9 @@ and exactly that host adds --store-host: its agent holds the rendezvous store, a
 (rerun the command everywhere to resume). With etcd-v2 the endpoint is an etcd server (3.4 with
 --enable-v2) off the training hosts, and the job survives the loss of any of them.
 
+`elastic-qa node --replicas --group N` runs one replica group of the replica-group mode on this host
+instead, the endpoint being the job's Lighthouse: elastic_qa.replica.node, which takes these arguments too.
+
 What it adds to `torchrun ... -m elastic_qa.train`, and nothing else (torchrun restarts, regroups and
 stops the workers):
 - the network settings decided and checked first (elastic_qa.launcher.netplan): --local_addr, and

@@ -58,9 +58,12 @@ class Scoring:
         self.console, self.scalars = console, scalars
         self.log = get_logger()
 
-    def run(self, model: torch.nn.Module, trackers: Trackers | None) -> dict[str, float] | None:
+    def run(
+        self, model: torch.nn.Module, trackers: Trackers | None, announce: bool = True
+    ) -> dict[str, float] | None:
         """Evaluate `model` (unwrapped) at the current step; its scores (on every rank) are observed by the
-        best tracker. None without evaluation data."""
+        best tracker. None without evaluation data. `announce` false: rank 0 writes no `eval`, `eval_best`
+        or `early_stop` line (the replica mode's groups other than the writer score the same state)."""
         if self.data.eval is None:
             return None
         started = time.perf_counter()
@@ -77,7 +80,7 @@ class Scoring:
             null_threshold=self.cfg.eval.null_threshold,
             cjk=self.cfg.eval.cjk_tokens,
         )
-        if scores is not None:
+        if scores is not None and announce:
             step = self.state.step
             self.log.info(
                 Event.EVAL,
@@ -93,7 +96,7 @@ class Scoring:
                 self.scalars.add(step, **tracked(scores))
         shared = self._shared(scores)
         if shared is not None:
-            self._observe(shared)
+            self._observe(shared, announce)
             if trackers:
                 trackers.log(self.state.step, **tracked(shared))
         return shared if scores is None else scores
@@ -111,11 +114,12 @@ class Scoring:
         shared = decide_on_rank0(self.ctx, self.control_group, share, SharedScores)
         return {"em": shared.em, "f1": shared.f1, "loss": shared.loss} if shared.scored else None
 
-    def _observe(self, scores: dict[str, float]) -> None:
+    def _observe(self, scores: dict[str, float], announce: bool = True) -> None:
         best, step = self.state.best, self.state.step
-        if best.observe(step, scores) and self.ctx.is_main:
+        says = announce and self.ctx.is_main
+        if best.observe(step, scores) and says:
             self.log.info("eval_best", step=step, metric=best.metric, value=round(scores[best.metric], 4))
-        if best.exhausted and self.ctx.is_main and step < self.state.end_step:  # else: the end anyway
+        if best.exhausted and says and step < self.state.end_step:  # else: the end anyway
             self.log_early_stop()
 
     def log_early_stop(self) -> None:

@@ -136,19 +136,21 @@ class ReplicaCheckpoints:
         after the interval has passed saves at once rather than a whole interval later."""
         self.session.start_schedule()
 
-    def save_due(self, step: int) -> bool:
-        """Whether the writer group checkpoints the step it just committed (rank 0's timer decides)."""
+    def save_due(self, step: int, new_best: bool = False) -> str | None:
+        """Why the writer group checkpoints the step it just committed ("best": its evaluation set a new
+        best, checkpoint.keep_best; "periodic": rank 0's timer or checkpoint.every_steps), or None."""
         saver = self.session.saver
 
         def decide() -> SaveNow:
-            return SaveNow(saver.save_due(step, saver.time_due(), new_best=False) is not None)
+            return SaveNow(saver.save_due(step, saver.time_due(), new_best) is not None)
 
-        return decide_on_rank0(self.ctx, self.group, decide, SaveNow).due
+        due = decide_on_rank0(self.ctx, self.group, decide, SaveNow).due
+        return ("best" if new_best else "periodic") if due else None
 
-    def save(self) -> None:
-        """A periodic checkpoint of the committed step (async; fenced at commit by the lineage). Once the
-        fence refused one, this lineage has lost to a newer one: it saves no more and trains on until its
-        groups meet the newer lineage's and heal from it (adopt forgets the refusal)."""
+    def save(self, reason: str = "periodic") -> None:
+        """A checkpoint of the committed step, periodic or a new best (async; fenced at commit by the
+        lineage). Once the fence refused one, this lineage has lost to a newer one: it saves no more and
+        trains on until its groups meet the newer lineage's and heal from it (adopt forgets the refusal)."""
         if self.context.checkpointer.fenced:
             if not self._said_fenced:
                 self._said_fenced = True
@@ -156,7 +158,7 @@ class ReplicaCheckpoints:
             return
         self._said_fenced = False
         self._drop_other_lineages()
-        self.session.save("periodic")
+        self.session.save(reason)
 
     def save_final(self, wait_s: float) -> None:
         """Commit the final state unless a peer of this lineage already did within `wait_s` (the quorum
@@ -198,8 +200,9 @@ class ReplicaCheckpoints:
         return decide_on_rank0(self.ctx, self.group, check, SaveNow).due
 
     def _drop_other_lineages(self) -> None:
-        """Rank 0: quarantine the checkpoints of steps past this lineage's start that another lineage
-        wrote (the older side of a split, before this side registered): the rotation keeps one chain."""
+        """Rank 0: quarantine the checkpoints of steps past this lineage's start that an older lineage
+        wrote (the older side of a split, before this side registered): the rotation keeps one chain. A
+        newer lineage's are never touched: this one has lost to it, and its own save will be refused."""
         if not self.ctx.is_main:
             return
         store = self.context.store
@@ -210,7 +213,7 @@ class ReplicaCheckpoints:
                 writer = store.read_manifest(info.path).get("attempt")
             except (OSError, ValueError):
                 continue
-            if writer != self.lineage:
+            if isinstance(writer, int) and writer < self.lineage:
                 reason = f"written by lineage {writer}, discarded for lineage {self.lineage}"
                 self.log.warning(Event.LINEAGE_DISCARDED, step=info.step, lineage=writer, by=self.lineage)
                 self.context.quarantine(Rejection(info.step, info.path, reason))

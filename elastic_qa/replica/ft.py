@@ -175,6 +175,7 @@ class ReplicaManager:
         group_world_size: int = 1,
         store: tuple[str, int] | None = None,
         incarnation_file: str | None = None,
+        hostname: str | None = None,
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
@@ -203,6 +204,9 @@ class ReplicaManager:
             checkpoint_transport=transport,
             init_sync=False,  # every group builds the same weights from run.seed
             quorum_retries=settings.quorum_retries,
+            # The address the other groups reach this one's manager at (torchft: this host's name, which may
+            # resolve to loopback); `elastic-qa node --replicas` gives the host's address on the network.
+            **({"hostname": hostname} if hostname else {}),
         )
         self.manager._client = _IncarnationClient(
             self.manager._client, LighthouseIncarnation(incarnation_file)

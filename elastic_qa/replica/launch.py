@@ -40,6 +40,7 @@ from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
 from elastic_qa.observe.events import Event
+from elastic_qa.observe.trackers import check_installed
 from elastic_qa.replica.ft import INCARNATION_ENV, LighthouseIncarnation, lighthouse_command, require_torchft
 from elastic_qa.session.hold import RunHeldError, RunHold
 
@@ -57,6 +58,7 @@ class ReplicaJob:
         self.run_dir = Path(cfg.run.dir)
         self.job_id = f"replicas-{os.getpid()}-{int(time.time())}"  # every group's torchrun run id
         self.port = cfg.replica.lighthouse_port or free_port()
+        self.lighthouse_host = LOOPBACK  # where it listens (`node --replicas`: the store host's address)
         self.lighthouse_address = f"http://{LOOPBACK}:{self.port}"
         self.lighthouse: subprocess.Popen | None = None
         self.groups: dict[int, subprocess.Popen] = {}
@@ -85,7 +87,7 @@ class ReplicaJob:
         log = open(self.run_dir / "agents" / "lighthouse.log", "ab")  # noqa: SIM115 (the child's)
         with log:
             self.lighthouse = lighthouse = subprocess.Popen(
-                lighthouse_command(self.port, self.cfg.replica, LOOPBACK),
+                lighthouse_command(self.port, self.cfg.replica, self.lighthouse_host),
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=tied_to_this_process(),
             )  # fmt: skip
         deadline = None if within_s is None else time.monotonic() + within_s
@@ -93,7 +95,7 @@ class ReplicaJob:
             if lighthouse.poll() is not None:
                 raise RuntimeError(f"the Lighthouse exited {lighthouse.returncode}: see {log.name}")
             with socket.socket() as probe:
-                if probe.connect_ex((LOOPBACK, self.port)) == 0:
+                if probe.connect_ex((self.lighthouse_host, self.port)) == 0:
                     self.record(
                         Event.LIGHTHOUSE_STARTED, pid=lighthouse.pid, port=self.port,
                         incarnation=self.incarnation,
@@ -101,7 +103,9 @@ class ReplicaJob:
                     return
             if self.stopping.wait(0.02):
                 return
-        raise RuntimeError(f"the Lighthouse did not listen on {LOOPBACK}:{self.port} within {within_s:.0f} s")
+        raise RuntimeError(
+            f"the Lighthouse did not listen on {self.lighthouse_host}:{self.port} within {within_s:.0f} s"
+        )
 
     def supervise_lighthouse(self) -> None:
         """Start the Lighthouse again, at the same address, whenever it exits before the job ends. A start
@@ -211,13 +215,17 @@ class ReplicaJob:
 
 
 def not_in_this_mode(cfg: Config) -> str | None:
-    """The line refusing a setting the replica mode cannot honour yet (exit 2), or None."""
-    if cfg.log.trackers:
-        return f"log.trackers={','.join(cfg.log.trackers)}: the replica-group mode has no trackers yet"
-    if cfg.checkpoint.keep_best != "none":
+    """The line refusing a setting the replica mode cannot honour (exit 2), or None: TensorBoard, whose
+    per-rank files are not kept per group, and a tracker that is not installed (observe/trackers)."""
+    if "tensorboard" in cfg.log.tracker_names:
         return (
-            f"checkpoint.keep_best={cfg.checkpoint.keep_best}: the replica-group mode evaluates nothing yet"
+            "log.trackers lists tensorboard (or log.tensorboard=true): the replica-group mode sends to "
+            "mlflow and wandb only"
         )
+    try:
+        check_installed(cfg)
+    except ConfigError as err:
+        return str(err)
     return None
 
 

@@ -54,6 +54,7 @@ from elastic_qa.prep import prepare
 from elastic_qa.replica.durable import ReplicaCheckpoints, ReplicaPosition
 from elastic_qa.replica.ft import INCARNATION_ENV, Quorum, ReplicaManager, require_torchft, safe_transport
 from elastic_qa.replica.heal import HealError, HealServer, fetch, heal_key
+from elastic_qa.replica.reports import ReplicaReports
 from elastic_qa.replica.shares import ReplicaLedger, share_batch, share_of
 from elastic_qa.step_holds import hold_after_step, hold_before_heal
 from elastic_qa.train_state import ResumeError, seed_step_rng, step_seed
@@ -61,6 +62,7 @@ from elastic_qa.train_state import ResumeError, seed_step_rng, step_seed
 GROUP_ENV = "ELASTIC_QA_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HEAL_HOST_ENV = "ELASTIC_QA_HEAL_HOST"  # the address peers reach this group's heal server at
+GROUPS_HERE_ENV = "ELASTIC_QA_GROUPS_ON_HOST"  # groups sharing this host's cores (default replica.groups)
 LINEAGE_FILE = "lineage"  # beside the checkpoint's files in a heal: where the sender's lineage began
 
 
@@ -133,9 +135,13 @@ class ReplicaTrainer:
         self.manager = ReplicaManager(
             cfg.replica, group, lighthouse, self._state_files, self._load_state, transport,
             ctx.rank, ctx.world_size, incarnation_file=os.environ.get(INCARNATION_ENV),
+            hostname=os.environ.get(HEAL_HOST_ENV),
         )  # fmt: skip
         self.ledger = ReplicaLedger(cfg.run.dir, group, ctx.rank) if cfg.debug.sample_ledger else None
         self.durable = ReplicaCheckpoints(cfg, ctx, self.state, world)
+        self.reports = ReplicaReports(
+            cfg, ctx, data, self.family, self.state, world, self.dtype, lambda: self.durable.context.run_uuid
+        )  # tracker records, evaluations, the best checkpoint's tracker
         self._batches: GlobalBatchIterator | None = None  # the epoch's order from the cursor on
         self._batches_step = 0  # the step the iterator yields next
         self._next_batch: GlobalBatch | None = None  # the step in progress's (kept until it commits)
@@ -149,7 +155,7 @@ class ReplicaTrainer:
         """The state a peer heals from (torchft asks for it when it sends this group's state)."""
         hold_before_heal(self.cfg, self.state.step)  # a chaos run's kill-during-heal (debug.hold_dir)
         files = self.state.state_dict({}, attempt=self.durable.lineage)
-        files[LINEAGE_FILE] = {"began_at": self.durable.began_at}
+        files[LINEAGE_FILE] = {"began_at": self.durable.began_at, "run": self.durable.context.run_uuid}
         return files
 
     def _load_state(self, files: dict[str, Any]) -> None:
@@ -162,7 +168,10 @@ class ReplicaTrainer:
         lineage = self.state.saved_attempt
         if lineage <= 0:
             raise ResumeError(f"a live peer sent the state of step {step} without its lineage")
-        self.durable.adopt(lineage, int(files.get(LINEAGE_FILE, {}).get("began_at", step)))
+        sender = files.get(LINEAGE_FILE, {})
+        self.durable.adopt(lineage, int(sender.get("began_at", step)))
+        self.durable.context.run_uuid = str(sender.get("run") or self.durable.context.run_uuid)
+        self.reports.restored()  # the peer's tracker records and best tracker
         self._batches = self._next_batch = None  # the state moved: the next batch is read at its cursor
         self.healed_from = before
         self.log.info(Event.HEAL, step=step, from_step=before, lineage=lineage)
@@ -177,7 +186,7 @@ class ReplicaTrainer:
         self.model.train()
         self.durable.start_schedule()
         last: Quorum | None = None  # the last step's quorum: the next step trains its share while it forms
-        while state.step < state.end_step or not self.durable.lineage:
+        while (state.step < state.end_step and not state.best.exhausted) or not self.durable.lineage:
             started = time.perf_counter()
             self._quorum_or_save(self.manager.begin_step)
             trained = None
@@ -223,11 +232,14 @@ class ReplicaTrainer:
         # The last quorum's rank 0 group commits the final state; the others commit it only when it does not
         # stand within the final save's retry window (that group died writing it).
         writes_final = self._last_rank == 0
+        scores = self.reports.final(unwrap(self.model), writes_final)  # evaluated before it is saved
         self.durable.save_final(0.0 if writes_final else cfg.checkpoint.final_retry_for.total_seconds())
+        self.reports.finish(writes_final)
         digest = params_digest(self.model)
         self.log.info(
             Event.TRAIN_DONE, step=state.step, tokens_seen=state.tokens_seen, params_sha256=digest,
             lineage=self.durable.lineage,
+            **({"em": scores["em"], "f1": scores["f1"], "eval_loss": scores["loss"]} if scores else {}),
         )  # fmt: skip
         return {"step": state.step, "params_sha256": digest}
 
@@ -303,22 +315,34 @@ class ReplicaTrainer:
             self.manager.set_position(ReplicaPosition(agreed, batch.step).encode())
         writer = quorum.rank == 0
         self._last_rank = -1 if quorum.rank is None else quorum.rank
+        seconds = time.perf_counter() - started
+        rate = batch.global_count / seconds if seconds > 0 else 0.0
         if writer and self.ctx.rank == 0 and logged:
-            seconds = time.perf_counter() - started
             self.log.info(
                 Event.STEP, step=batch.step, epoch=batch.epoch, loss=total_loss / batch.global_count,
                 lr=state.scheduler.get_last_lr()[0], grad_norm=float(grad_norm or 0.0),
-                samples_per_s=batch.global_count / seconds if seconds > 0 else 0.0,
+                samples_per_s=rate,
                 cursor=state.cursor.samples_consumed, quorum=quorum.quorum_id,
                 participants=quorum.participants, replica_group=self.group, lineage=agreed,
             )  # fmt: skip
-        if writer and batch.step < state.end_step and self.durable.save_due(batch.step):
-            self.durable.save()
+        if logged:  # every worker keeps the step's tracker record; rank 0 of the writer group sends it
+            self.reports.step(
+                batch.step, writer, {
+                    "loss": total_loss / batch.global_count, "grad_norm": float(grad_norm or 0.0),
+                    "lr": float(state.scheduler.get_last_lr()[0]), "samples_per_s": rate,
+                    "world_size": float(quorum.participants * self.ctx.world_size),
+                },
+            )  # fmt: skip
+        # Evaluated before any save of the step: a new best is saved at its own step (reason "best").
+        new_best = self.reports.evaluate_due(unwrap(self.model), batch.step, writer)
+        if writer and batch.step < state.end_step and (reason := self.durable.save_due(batch.step, new_best)):
+            self.durable.save(reason)
         self._after_step(batch.step)
 
     def _sum_across_groups(self, loss_sum: torch.Tensor, quorum: Quorum, lineage: int) -> tuple[float, int]:
         """Sum the gradients, the loss and the lineage slots over the quorum's groups, in one all-reduce of
         one flat tensor; the global batch's loss sum and the lineage the step commits in."""
+        self.reports.hand_over(writer=quorum.rank == 0)  # an old writer's tracker runs flushed before the sum
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trained]
         slots = lineage_slots(
             lineage, self.durable.lineage, quorum.rank == 0
@@ -356,6 +380,7 @@ class ReplicaTrainer:
         everyone = quorum.participants >= self.cfg.replica.groups
         if quorum.rank == 0 and (everyone or waited > self.cfg.replica.quorum_timeout.total_seconds()):
             lineage, parent, step = self.durable.bootstrap()
+            self.reports.restored()  # the checkpoint's tracker records and best tracker
             self.manager.set_position(ReplicaPosition(lineage, step).encode())
             self._quorum_key, self._claimed = (quorum.quorum_id, quorum.members), lineage
             if self.ledger:
@@ -389,6 +414,7 @@ class ReplicaTrainer:
         return step % self.cfg.log.every_steps == 0 or step == self.state.end_step
 
     def close(self) -> None:
+        self.reports.close(finished=False)  # a no-op once train() closed them
         self.durable.close()
         self.manager.shutdown()
         if self.ledger:
@@ -417,10 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_distributed(cfg.dist)
         # Every group of the job runs on this host (the local launcher): the cores are shared by all their
         # workers, not only this group's (two groups of one worker each on 2 cores, 2 threads each: forward
-        # and backward p90 185 ms against 10 ms at the median).
-        set_threads(
-            cfg.train.threads or max(1, usable_cores() // (cfg.replica.groups * ctx.ranks_on_host)), ctx
-        )
+        # and backward p90 185 ms against 10 ms at the median). `elastic-qa node --replicas`: one group.
+        here = int(os.environ.get(GROUPS_HERE_ENV) or cfg.replica.groups)
+        set_threads(cfg.train.threads or max(1, usable_cores() // (here * ctx.ranks_on_host)), ctx)
         log.info(Event.WORKER_START, backend=ctx.backend or "none", replica_group=group,
                  restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # fmt: skip
         trainer = ReplicaTrainer(cfg, ctx, data, group, lighthouse)

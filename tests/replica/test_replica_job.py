@@ -337,7 +337,7 @@ def test_a_lost_group_is_started_again_and_heals_while_the_survivor_trains(
 
 @pytest.mark.parametrize(
     ("setting", "named"),
-    [("checkpoint.keep_best=f1", "checkpoint.keep_best=f1"), ("log.trackers=[tensorboard]", "log.trackers")],
+    [("log.tensorboard=true", "log.tensorboard=true"), ("log.trackers=[tensorboard]", "log.trackers")],
 )
 def test_a_setting_the_mode_cannot_honour_is_refused_before_anything_starts(
     tmp_path: Path, setting: str, named: str
