@@ -82,6 +82,7 @@ class Event(str, Enum):
     NO_QUORUM = "no_quorum"
     # the replica-group launcher (agents/replicas.jsonl; replica/launch.py)
     LIGHTHOUSE_STARTED = "lighthouse_started"
+    LIGHTHOUSE_STANDBY = "lighthouse_standby"
     LIGHTHOUSE_EXIT = "lighthouse_exit"
     GROUP_STARTED = "group_started"
     GROUP_EXIT = "group_exit"

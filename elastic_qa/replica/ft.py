@@ -67,6 +67,28 @@ def lighthouse_command(port: int, settings: ReplicaConfig, host: str = "127.0.0.
     ]
 
 
+_STANDBY = """import signal, sys
+from torchft._torchft import LighthouseServer
+bind, replicas, join_ms, tick_ms, heartbeat_ms = sys.argv[1:]
+print("ready", flush=True)
+if sys.stdin.readline().strip() == "serve":
+    server = LighthouseServer(bind=bind, min_replicas=int(replicas), join_timeout_ms=int(join_ms),
+                              quorum_tick_ms=int(tick_ms), heartbeat_timeout_ms=int(heartbeat_ms))
+    signal.pause()
+"""
+
+
+def lighthouse_standby_command(port: int, settings: ReplicaConfig, host: str = "127.0.0.1") -> list[str]:
+    """A Lighthouse started ahead of need: it imports torchft (which imports torch: 1 to 15 s on a loaded
+    2-core host, most of a restart), prints `ready`, and on reading `serve` binds `host:port` with the job's
+    quorum settings, within milliseconds. The launcher keeps one beside the Lighthouse that serves and
+    promotes it when that one dies."""
+    return [
+        sys.executable, "-c", _STANDBY, f"{host}:{port}", str(settings.min_replicas),
+        str(_ms(settings.join_timeout)), "50", str(_ms(settings.heartbeat_timeout)),
+    ]  # fmt: skip
+
+
 def _ms(delta: timedelta) -> int:
     return max(1, int(delta.total_seconds() * 1000))
 

@@ -6,12 +6,14 @@ Each replica group is a torchrun job of its own (one node, `replica.nproc_per_gr
 torchrun's own restarts), so a fault restarts one group while the others keep training (a group whose
 torchrun agent itself died is started again here, as a scheduler would replace a lost node); the groups form a
 quorum per step through torchft's Lighthouse, which this launcher runs and supervises: a Lighthouse that
-exits is started again at the same address, and the groups retry their quorum requests meanwhile
-(`replica.quorum_retries`). The job's heal key (the secret a group proves it belongs to the job with when it
-asks a peer for the training state) is made here and given to every group in the environment.
+exits is replaced at the same address by a standby started ahead (its imports done, so it serves within
+milliseconds), and the groups retry their quorum requests meanwhile (`replica.quorum_retries`). The job's
+heal key (the secret a group proves it belongs to the job with when it asks a peer for the training state)
+is made here and given to every group in the environment.
 
 What the launcher writes, one JSON line each, to <run.dir>/agents/replicas.jsonl: `job_start` (groups,
-lighthouse), `lighthouse_started` (pid), `group_started` (group, pid), `group_exit` (group, code),
+lighthouse), `lighthouse_started` (pid, incarnation, standby), `lighthouse_standby` (pid: the next
+Lighthouse, its imports done, waiting to take over), `group_started` (group, pid), `group_exit` (group, code),
 `job_end` (exit_codes). It exits 0 when every group finished, 2 on bad input (a live job already holding
 the run's checkpoints among it: the launcher holds the run for the whole job, session/hold.py), else 1.
 """
@@ -41,13 +43,51 @@ from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.trackers import check_installed
-from elastic_qa.replica.ft import INCARNATION_ENV, LighthouseIncarnation, lighthouse_command, require_torchft
+from elastic_qa.replica.ft import (
+    INCARNATION_ENV,
+    LighthouseIncarnation,
+    lighthouse_command,
+    lighthouse_standby_command,
+    require_torchft,
+)
 from elastic_qa.session.hold import RunHeldError, RunHold
 
 WORKER = "elastic_qa.replica.worker"
 KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
 MAX_RESTARTS = 100  # a group's torchrun restarts its workers this often before it gives up
 MAX_GROUP_RESTARTS = 10  # a group whose torchrun agent died is started again this often
+
+
+class StandbyLighthouse:
+    """A Lighthouse process with its imports done, waiting to bind the job's address: promoted when the one
+    that serves dies, so a restart costs milliseconds instead of an interpreter's start-up."""
+
+    def __init__(self, command: list[str], log: Path, env: dict[str, str]) -> None:
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, env=env,
+                preexec_fn=tied_to_this_process(),
+            )  # fmt: skip
+        self.ready = threading.Event()
+        threading.Thread(target=self._wait_ready, name="standby-lighthouse", daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() == b"ready":
+            self.ready.set()
+        for _ in self.process.stdout:  # anything it prints once it serves: never left to fill the pipe
+            pass
+
+    def serve(self) -> bool:
+        """Tell it to bind; False when it is not ready (still importing, or dead)."""
+        if not self.ready.is_set() or self.process.poll() is not None or self.process.stdin is None:
+            return False
+        try:
+            self.process.stdin.write(b"serve\n")
+            self.process.stdin.flush()
+        except OSError:
+            return False
+        return True
 
 
 class ReplicaJob:
@@ -61,6 +101,7 @@ class ReplicaJob:
         self.lighthouse_host = LOOPBACK  # where it listens (`node --replicas`: the store host's address)
         self.lighthouse_address = f"http://{LOOPBACK}:{self.port}"
         self.lighthouse: subprocess.Popen | None = None
+        self.standby: StandbyLighthouse | None = None  # the next Lighthouse, started ahead
         self.groups: dict[int, subprocess.Popen] = {}
         self.stopping = threading.Event()
         self._records = self.run_dir / "agents" / "replicas.jsonl"
@@ -85,11 +126,19 @@ class ReplicaJob:
         self.incarnation += 1  # before it starts: every quorum it gives is read with its incarnation
         LighthouseIncarnation.write(self.incarnation_file, self.incarnation)
         log = open(self.run_dir / "agents" / "lighthouse.log", "ab")  # noqa: SIM115 (the child's)
-        with log:
-            self.lighthouse = lighthouse = subprocess.Popen(
-                lighthouse_command(self.port, self.cfg.replica, self.lighthouse_host),
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=tied_to_this_process(),
-            )  # fmt: skip
+        standby, self.standby = self.standby, None
+        promoted = standby is not None and standby.serve()
+        if standby is not None and promoted:
+            self.lighthouse = lighthouse = standby.process
+            log.close()
+        else:
+            if standby is not None:
+                end_process(standby.process, grace_s=0)
+            with log:
+                self.lighthouse = lighthouse = subprocess.Popen(
+                    lighthouse_command(self.port, self.cfg.replica, self.lighthouse_host),
+                    stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=tied_to_this_process(),
+                )  # fmt: skip
         deadline = None if within_s is None else time.monotonic() + within_s
         while deadline is None or time.monotonic() < deadline:
             if lighthouse.poll() is not None:
@@ -98,14 +147,30 @@ class ReplicaJob:
                 if probe.connect_ex((self.lighthouse_host, self.port)) == 0:
                     self.record(
                         Event.LIGHTHOUSE_STARTED, pid=lighthouse.pid, port=self.port,
-                        incarnation=self.incarnation,
+                        incarnation=self.incarnation, standby=promoted,
                     )  # fmt: skip
+                    self._start_standby()
                     return
             if self.stopping.wait(0.02):
                 return
         raise RuntimeError(
             f"the Lighthouse did not listen on {self.lighthouse_host}:{self.port} within {within_s:.0f} s"
         )
+
+    def _start_standby(self) -> None:
+        """Start the next Lighthouse ahead of need; its `lighthouse_standby` record says when it is ready."""
+        if self.stopping.is_set():
+            return
+        command = lighthouse_standby_command(self.port, self.cfg.replica, self.lighthouse_host)
+        standby = self.standby = StandbyLighthouse(
+            command, self.run_dir / "agents" / "lighthouse.log", self.env
+        )
+
+        def announce() -> None:
+            if standby.ready.wait(timeout=600) and not self.stopping.is_set():
+                self.record(Event.LIGHTHOUSE_STANDBY, pid=standby.process.pid)
+
+        threading.Thread(target=announce, name="standby-ready", daemon=True).start()
 
     def supervise_lighthouse(self) -> None:
         """Start the Lighthouse again, at the same address, whenever it exits before the job ends. A start
@@ -186,6 +251,8 @@ class ReplicaJob:
                 end_process(process, grace_s=30)
             if self.lighthouse is not None:
                 end_process(self.lighthouse, grace_s=5)
+            if self.standby is not None:
+                end_process(self.standby.process, grace_s=0)
             supervisor.join(timeout=5)
             self.record(Event.JOB_END, exit_codes={str(g): c for g, c in codes.items()})
         return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED

@@ -299,6 +299,7 @@ def test_a_killed_lighthouse_is_started_again_and_the_job_ends_whole(tmp_path: P
     job = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
     try:
         held(run_dir, job, 10)
+        launcher_record(run_dir, job, lambda r: r["event"] == "lighthouse_standby")  # the next one, imported
         first = next(e for e in launcher_records(run_dir) if e["event"] == "lighthouse_started")
         os.kill(first["pid"], signal.SIGKILL)
         started_again: Callable[[], bool] = lambda: any(  # noqa: E731
@@ -312,7 +313,9 @@ def test_a_killed_lighthouse_is_started_again_and_the_job_ends_whole(tmp_path: P
         if job.poll() is None:
             job.kill()
     records = launcher_records(run_dir)
-    assert [e["port"] for e in records if e["event"] == "lighthouse_started"] == [first["port"]] * 2
+    started = [e for e in records if e["event"] == "lighthouse_started"]
+    assert [e["port"] for e in started] == [first["port"]] * 2
+    assert [e["standby"] for e in started] == [False, True]  # the standby took over: no start-up to wait for
     check_the_end(run_dir, cache_dir)
     together = [e for e in read_events(run_dir) if e.get("event") == "step" and e["step"] > 10]
     assert together and together[-1]["participants"] == 2
