@@ -99,6 +99,8 @@ class ReplicaJob:
         self.job_id = f"replicas-{os.getpid()}-{int(time.time())}"  # every group's torchrun run id
         self.port = cfg.replica.lighthouse_port or free_port()
         self.lighthouse_host = LOOPBACK  # where it listens (`node --replicas`: the store host's address)
+        self.local_addr = LOOPBACK  # the groups' workers listen here (`node --replicas`: the host's address)
+        self.max_restarts = MAX_RESTARTS  # torchrun's restarts of a group's workers
         self.lighthouse_address = f"http://{LOOPBACK}:{self.port}"
         self.lighthouse: subprocess.Popen | None = None
         self.standby: StandbyLighthouse | None = None  # the next Lighthouse, started ahead
@@ -189,14 +191,16 @@ class ReplicaJob:
 
     # ---- the groups ----------------------------------------------------------------------------------
     def group_command(self, group: int) -> list[str]:
+        """torchrun for one group: its own rendezvous on loopback (one node); its workers' store and
+        collectives on `local_addr` (loopback here; the address the other hosts reach, `node --replicas`)."""
         replica = self.cfg.replica
         return [
             sys.executable, "-m", ON_LOOPBACK, "torch.distributed.run",
             "--nnodes=1", f"--nproc_per_node={replica.nproc_per_group}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{free_port()}",
             f"--rdzv_id={self.job_id}", "--rdzv_conf=is_host=1",
-            f"--max-restarts={MAX_RESTARTS}", f"--monitor-interval={MONITOR_INTERVAL_S}",
-            f"--local_addr={LOOPBACK}", "--module", ON_LOOPBACK, WORKER,
+            f"--max-restarts={self.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}",
+            f"--local_addr={self.local_addr}", "--module", ON_LOOPBACK, WORKER,
             "--config", self.config, *self.overrides,
         ]  # fmt: skip
 

@@ -54,8 +54,6 @@ from typing import Any
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
-from elastic_qa.launcher import ON_LOOPBACK
-from elastic_qa.launcher.local import LOOPBACK, free_port
 from elastic_qa.launcher.netplan import Endpoint, NetworkPlan, parse_endpoint, plan_network
 from elastic_qa.launcher.node import (
     WORKER_MODULE,
@@ -66,12 +64,11 @@ from elastic_qa.launcher.node import (
     store_answers,
 )
 from elastic_qa.launcher.processes import end_process
-from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
 from elastic_qa.network import is_local_address, is_loopback
 from elastic_qa.observe.log import NODE_ENV
 from elastic_qa.replica.ft import require_torchft
-from elastic_qa.replica.launch import KEY_ENV, WORKER, ReplicaJob, not_in_this_mode
+from elastic_qa.replica.launch import KEY_ENV, ReplicaJob, not_in_this_mode
 from elastic_qa.session.hold import HoldRecord, RunHeldError, RunHold
 
 DEFAULT_PORT = 29510  # the Lighthouse's, when --endpoint gives none
@@ -315,19 +312,6 @@ class NodeGroup(ReplicaJob):
 
     def record(self, event: str, **fields: Any) -> None:
         self.log(event, **fields)
-
-    def group_command(self, group: int) -> list[str]:
-        """torchrun for this host's group: its own rendezvous on loopback (one node), its workers' store
-        and collectives on the address the other hosts reach (torchft gives that store to the quorum)."""
-        return [
-            sys.executable, "-m", ON_LOOPBACK, "torch.distributed.run",
-            "--nnodes=1", f"--nproc_per_node={self.cfg.replica.nproc_per_group}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{free_port()}",
-            f"--rdzv_id={self.job_id}", "--rdzv_conf=is_host=1",
-            f"--max-restarts={self.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}",
-            f"--local_addr={self.local_addr}", "--module", ON_LOOPBACK, WORKER,
-            "--config", self.config, *self.overrides,
-        ]  # fmt: skip
 
     def run(self) -> int:
         """Hold the run for this group, start the Lighthouse (store host) and the group, wait; exit code."""

@@ -221,7 +221,12 @@ class ReplicaTrainer:
                     batch.step, batch.epoch, quorum.quorum_id, trained.participants, trained.rank,
                     trained.share, held=self.durable.lineage,
                 )  # fmt: skip
-            total_loss, agreed = self._sum_across_groups(trained.loss_sum, quorum, lineage)
+            loss_sum = trained.loss_sum
+            if self.ctx.world_size > 1 and self._logs_line(batch.step):
+                # The cross-group sum adds the same rank of every group: the group's own workers' shares are
+                # summed first, on the steps whose loss is logged only (DDP sums their gradients already).
+                torch.distributed.all_reduce(loss_sum)
+            total_loss, agreed = self._sum_across_groups(loss_sum, quorum, lineage)
             committed = self.manager.commit()
             if self.ledger:
                 self.ledger.commit(batch.step, quorum.quorum_id, committed, agreed)

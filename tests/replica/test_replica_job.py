@@ -79,15 +79,15 @@ def finished(job: subprocess.Popen) -> int:
             job.kill()
 
 
-def ledger_verdict(run_dir: Path, cache: Path, steps: int = MAX_STEPS) -> Verdict:
+def ledger_verdict(run_dir: Path, cache: Path, steps: int = MAX_STEPS, workers: int = 1) -> Verdict:
     cfg = load_config(packaged_config("tiny"), overrides(run_dir, cache))
     windows = len(prepare(cfg, family_for(cfg.model)).train)
     rows = read_replica_ledger(run_dir)
-    return verify(rows, windows, cfg.train.global_batch_size, cfg.run.seed, steps, 1)
+    return verify(rows, windows, cfg.train.global_batch_size, cfg.run.seed, steps, workers)
 
 
-def check_ledger(run_dir: Path, cache: Path) -> None:
-    verdict = ledger_verdict(run_dir, cache)
+def check_ledger(run_dir: Path, cache: Path, workers: int = 1) -> None:
+    verdict = ledger_verdict(run_dir, cache, workers=workers)
     assert verdict.ok, verdict.problems
 
 
@@ -103,6 +103,28 @@ def test_two_groups_train_every_window_once_and_end_bitwise_equal(tmp_path: Path
     check_ledger(run_dir, cache_dir)
     digests = final_digests(run_dir)
     assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in read_events(run_dir) if e.get("event") == "step"}
+
+
+def test_groups_of_two_workers_split_the_same_batches_and_log_the_whole_batchs_loss(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """2 groups of 2 workers (DDP inside each group): every window once over the 4 workers, the groups end
+    bitwise equal, and each step line's loss is the whole global batch's, as with one worker per group (the
+    same weights at step 1, so the same loss but for the order of the float sums)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    job = start(two, cache_dir, "replica.nproc_per_group=2", "train.max_steps=12")
+    assert finished(job) == 0, job.stdout.read() if job.stdout else ""
+    verdict = ledger_verdict(two, cache_dir, steps=12, workers=2)
+    assert verdict.ok, verdict.problems
+    done = [e for e in read_events(two) if e.get("event") == "train_done"]
+    assert len(done) == 4 and len({e["params_sha256"] for e in done}) == 1, done
+    job = start(one, cache_dir, "train.max_steps=2")
+    assert finished(job) == 0, job.stdout.read() if job.stdout else ""
+    assert step_losses(two)[1] == pytest.approx(step_losses(one)[1], rel=1e-5)
 
 
 def final_parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
