@@ -22,6 +22,18 @@ from elastic_qa.observe.events import (
 NO_RESTART_STRICT = frozenset({"log-full", "final-storage-errors"})
 
 
+def fault_row(fault: dict) -> dict[str, Any]:
+    """A fault's row of the report before its checks: ok, nothing lost, no recovery measured yet; a skipped
+    fault's row says why it was skipped."""
+    row: dict[str, Any] = {
+        "fault": fault["fault"], "step": fault.get("step"), "ts": fault.get("ts"), "lost": 0,
+        "recovery_s": None, "verdict": "ok", "note": "",
+    }  # fmt: skip
+    if fault.get("skipped"):
+        row.update(verdict="skipped", note=fault["skipped"])
+    return row
+
+
 def corruptions(faults: list[dict]) -> list[tuple[int, float]]:
     """(step, when) of every checkpoint a fault corrupted on purpose."""
     return [
@@ -120,18 +132,9 @@ def judge_faults(
     rows = []
     pending = []
     for index, fault in enumerate(faults):
-        row = {
-            "fault": fault["fault"],
-            "step": fault.get("step"),
-            "ts": fault.get("ts"),
-            "lost": 0,
-            "recovery_s": None,
-            "verdict": "ok",
-            "note": "",
-        }
+        row = fault_row(fault)
         rows.append(row)
         if fault.get("skipped"):
-            row.update(verdict="skipped", note=fault["skipped"])
             continue
         duration = fault.get("thaw_after_s", fault.get("fail_after_max_steps_s"))
         if fault["fault"] == "second-job" and _finished_before(fault, ev):

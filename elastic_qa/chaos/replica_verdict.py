@@ -56,6 +56,7 @@ from elastic_qa.chaos.evidence import (
     parameter_difference,
     run_config,
 )
+from elastic_qa.chaos.judge import fault_row
 from elastic_qa.checkpoint.policy import retained_steps
 from elastic_qa.config import Config
 from elastic_qa.models import family_for
@@ -361,18 +362,9 @@ def judge_replica_faults(faults: list[dict[str, Any]], ev: ReplicaEvidence) -> l
     discarded = discarded_steps(ev)
     rows = []
     for index, fault in enumerate(faults):
-        row: dict[str, Any] = {
-            "fault": fault["fault"],
-            "step": fault.get("step"),
-            "ts": fault.get("ts"),
-            "lost": 0,
-            "recovery_s": None,
-            "verdict": "ok",
-            "note": "",
-        }
+        row = fault_row(fault)
         rows.append(row)
         if fault.get("skipped"):
-            row.update(verdict="skipped", note=fault["skipped"])
             continue
         later = [i for i in injected if i > index]
         window = Window(

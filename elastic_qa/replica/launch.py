@@ -242,13 +242,25 @@ class ReplicaJob:
     def _run(self) -> int:
         (self.run_dir / "agents").mkdir(parents=True, exist_ok=True)
         self.record(Event.JOB_START, groups=self.cfg.replica.groups, lighthouse=self.lighthouse_address)
-        self.start_lighthouse()
-        supervisor = threading.Thread(target=self.supervise_lighthouse, name="lighthouse", daemon=True)
-        supervisor.start()
         codes: dict[int, int] = {}
         try:
-            self.groups = {group: self.start_group(group) for group in range(self.cfg.replica.groups)}
-            codes = self.supervise_groups()
+            codes = self.supervise(list(range(self.cfg.replica.groups)), lighthouse=True)
+        finally:
+            self.record(Event.JOB_END, exit_codes={str(g): c for g, c in codes.items()})
+        return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED
+
+    def supervise(self, groups: list[int], lighthouse: bool) -> dict[int, int]:
+        """Start the Lighthouse (with its standby and supervisor, when this process runs it) and `groups`,
+        supervise them until the job is done, then end every process it started; each group's last exit
+        code."""
+        supervisor = None
+        if lighthouse:
+            self.start_lighthouse()
+            supervisor = threading.Thread(target=self.supervise_lighthouse, name="lighthouse", daemon=True)
+            supervisor.start()
+        try:
+            self.groups = {group: self.start_group(group) for group in groups}
+            return self.supervise_groups()
         finally:
             self.stopping.set()
             for process in self.groups.values():
@@ -257,9 +269,8 @@ class ReplicaJob:
                 end_process(self.lighthouse, grace_s=5)
             if self.standby is not None:
                 end_process(self.standby.process, grace_s=0)
-            supervisor.join(timeout=5)
-            self.record(Event.JOB_END, exit_codes={str(g): c for g, c in codes.items()})
-        return 0 if codes and all(code == 0 for code in codes.values()) else EXIT_FAILED
+            if supervisor is not None:
+                supervisor.join(timeout=5)
 
     def supervise_groups(self) -> dict[int, int]:
         """Wait for every group; start a group whose torchrun agent died (killed, or out of restarts) again,

@@ -46,7 +46,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,6 @@ from elastic_qa.launcher.node import (
     port_in_use,
     store_answers,
 )
-from elastic_qa.launcher.processes import end_process
 from elastic_qa.liveness import this_process
 from elastic_qa.network import is_local_address, is_loopback
 from elastic_qa.observe.log import NODE_ENV
@@ -331,23 +329,7 @@ class NodeGroup(ReplicaJob):
 
     def _run(self) -> int:
         (self.run_dir / "agents").mkdir(parents=True, exist_ok=True)
-        supervisor = None
-        if self.store_host:
-            self.start_lighthouse()
-            supervisor = threading.Thread(target=self.supervise_lighthouse, name="lighthouse", daemon=True)
-            supervisor.start()
-        codes: dict[int, int] = {}
-        try:
-            self.groups = {self.group: self.start_group(self.group)}
-            codes = self.supervise_groups()
-        finally:
-            self.stopping.set()
-            for process in self.groups.values():
-                end_process(process, grace_s=30)
-            if self.lighthouse is not None:
-                end_process(self.lighthouse, grace_s=5)
-            if supervisor is not None:
-                supervisor.join(timeout=5)
+        codes = self.supervise([self.group], lighthouse=self.store_host)
         return 0 if codes.get(self.group) == 0 else EXIT_FAILED
 
 
