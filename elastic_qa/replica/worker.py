@@ -288,7 +288,10 @@ class ReplicaTrainer:
     def _sit_out(self, quorum: Quorum, started: float) -> None:
         """A step this group takes no part in: it heals from a peer. Its gradients count as zeros in the sum
         (torchft zeroes them), the peer's state is applied at the vote, and a committed step is then taken
-        with the peers' summed gradients, so that the group leaves the step where its peers do."""
+        with the peers' summed gradients, so that the group leaves the step where its peers do. The quorum's
+        lineage is the one its rank 0 claimed for this step: the healed group adopts it at the commit and
+        claims none of its own for the quorum's next steps."""
+        self._quorum_key, self._claimed = (quorum.quorum_id, quorum.members), None
         self.state.optimizer.zero_grad(set_to_none=True)
         total_loss, agreed = self._sum_across_groups(torch.zeros(()), quorum, self.durable.lineage)
         committed = self.manager.commit()  # applies the peer's state (self._load_state) first

@@ -166,8 +166,13 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
         if job.poll() is None:
             job.kill()
     assert ledger_verdict(run_dir, cache_dir, steps=steps).ok
-    healed = {e["replica_group"] for e in read_events(run_dir) if e.get("event") == "heal" and e["step"] > 0}
+    events = read_events(run_dir)
+    healed = {e["replica_group"] for e in events if e.get("event") == "heal" and e["step"] > 0}
     assert healed == {0, 1}
+    # One lineage per quorum: a healed group adopts the one its quorum's rank 0 claimed for the heal step, and
+    # claims none of its own when it is rank 0 of that quorum's next step (group 0, healed second, is).
+    claims = [e["quorum"] for e in events if e.get("event") == "lineage" and "quorum" in e]
+    assert len(claims) == len(set(claims)), claims
     faulted, reference = final_parameters(run_dir, steps), final_parameters(tmp_path / "clean", steps)
     assert faulted.keys() == reference.keys()
     worst = max(
