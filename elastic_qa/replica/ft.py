@@ -45,47 +45,36 @@ def require_torchft() -> None:
         )
 
 
-def lighthouse_binary() -> str:
-    """torchft's `torchft_lighthouse` server, beside this interpreter (the extra installs it there)."""
-    return str(Path(sys.executable).parent / "torchft_lighthouse")
-
-
-def lighthouse_command(port: int, settings: ReplicaConfig, host: str = "127.0.0.1") -> list[str]:
-    """The command line of a Lighthouse on `host:port` with the job's quorum settings."""
-    return [
-        lighthouse_binary(),
-        "--bind",
-        f"{host}:{port}",
-        "--min_replicas",
-        str(settings.min_replicas),
-        "--join_timeout_ms",
-        str(_ms(settings.join_timeout)),
-        "--quorum_tick_ms",
-        "50",
-        "--heartbeat_timeout_ms",
-        str(_ms(settings.heartbeat_timeout)),
-    ]
-
-
-_STANDBY = """import signal, sys
-from torchft._torchft import LighthouseServer
-bind, replicas, join_ms, tick_ms, heartbeat_ms = sys.argv[1:]
-print("ready", flush=True)
-if sys.stdin.readline().strip() == "serve":
-    server = LighthouseServer(bind=bind, min_replicas=int(replicas), join_timeout_ms=int(join_ms),
-                              quorum_tick_ms=int(tick_ms), heartbeat_timeout_ms=int(heartbeat_ms))
+# torchft's Lighthouse is its Rust extension alone, which links no libtorch: it is loaded here without the
+# torchft package, whose __init__ imports torch (2 s of CPU on an idle 2-core host, up to 15 s loaded, where
+# this takes 30 ms). argv: mode (serve: bind at once; standby: print `ready`, bind on reading `serve`), then
+# bind, min replicas, join timeout ms, quorum tick ms, heartbeat timeout ms.
+_LIGHTHOUSE = """import importlib.machinery, importlib.util, pathlib, signal, sys
+package = importlib.util.find_spec("torchft")
+path = str(next(pathlib.Path(package.submodule_search_locations[0]).glob("_torchft.*.so")))
+loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
+extension = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader, origin=path))
+loader.exec_module(extension)
+mode, bind, replicas, join_ms, tick_ms, heartbeat_ms = sys.argv[1:]
+if mode == "standby":
+    print("ready", flush=True)
+if mode == "serve" or sys.stdin.readline().strip() == "serve":
+    server = extension.LighthouseServer(bind=bind, min_replicas=int(replicas), join_timeout_ms=int(join_ms),
+                                        quorum_tick_ms=int(tick_ms), heartbeat_timeout_ms=int(heartbeat_ms))
     signal.pause()
 """
 
 
-def lighthouse_standby_command(port: int, settings: ReplicaConfig, host: str = "127.0.0.1") -> list[str]:
-    """A Lighthouse started ahead of need: it imports torchft (which imports torch: 1 to 15 s on a loaded
-    2-core host, most of a restart), prints `ready`, and on reading `serve` binds `host:port` with the job's
-    quorum settings, within milliseconds. The launcher keeps one beside the Lighthouse that serves and
-    promotes it when that one dies."""
+def lighthouse_command(
+    port: int, settings: ReplicaConfig, host: str = "127.0.0.1", standby: bool = False
+) -> list[str]:
+    """The command line of a Lighthouse on `host:port` with the job's quorum settings. `standby`: one
+    started ahead of need, which prints `ready` and binds on reading `serve` (the launcher keeps one beside
+    the Lighthouse that serves and promotes it when that one dies)."""
     return [
-        sys.executable, "-c", _STANDBY, f"{host}:{port}", str(settings.min_replicas),
-        str(_ms(settings.join_timeout)), "50", str(_ms(settings.heartbeat_timeout)),
+        sys.executable, "-c", _LIGHTHOUSE, "standby" if standby else "serve", f"{host}:{port}",
+        str(settings.min_replicas), str(_ms(settings.join_timeout)), "50",
+        str(_ms(settings.heartbeat_timeout)),
     ]  # fmt: skip
 
 

@@ -6,14 +6,14 @@ Each replica group is a torchrun job of its own (one node, `replica.nproc_per_gr
 torchrun's own restarts), so a fault restarts one group while the others keep training (a group whose
 torchrun agent itself died is started again here, as a scheduler would replace a lost node); the groups form a
 quorum per step through torchft's Lighthouse, which this launcher runs and supervises: a Lighthouse that
-exits is replaced at the same address by a standby started ahead (its imports done, so it serves within
+exits is replaced at the same address by a standby started ahead (loaded and waiting, so it serves within
 milliseconds), and the groups retry their quorum requests meanwhile (`replica.quorum_retries`). The job's
 heal key (the secret a group proves it belongs to the job with when it asks a peer for the training state)
 is made here and given to every group in the environment.
 
 What the launcher writes, one JSON line each, to <run.dir>/agents/replicas.jsonl: `job_start` (groups,
 lighthouse), `lighthouse_started` (pid, incarnation, standby), `lighthouse_standby` (pid: the next
-Lighthouse, its imports done, waiting to take over), `group_started` (group, pid), `group_exit` (group, code),
+Lighthouse, loaded, waiting to take over), `group_started` (group, pid), `group_exit` (group, code),
 `job_end` (exit_codes). It exits 0 when every group finished, 2 on bad input (a live job already holding
 the run's checkpoints among it: the launcher holds the run for the whole job, session/hold.py), else 1.
 """
@@ -47,7 +47,6 @@ from elastic_qa.replica.ft import (
     INCARNATION_ENV,
     LighthouseIncarnation,
     lighthouse_command,
-    lighthouse_standby_command,
     require_torchft,
 )
 from elastic_qa.session.hold import RunHeldError, RunHold
@@ -163,7 +162,7 @@ class ReplicaJob:
         """Start the next Lighthouse ahead of need; its `lighthouse_standby` record says when it is ready."""
         if self.stopping.is_set():
             return
-        command = lighthouse_standby_command(self.port, self.cfg.replica, self.lighthouse_host)
+        command = lighthouse_command(self.port, self.cfg.replica, self.lighthouse_host, standby=True)
         standby = self.standby = StandbyLighthouse(
             command, self.run_dir / "agents" / "lighthouse.log", self.env
         )

@@ -1,16 +1,24 @@
-"""Quorum ids unique across Lighthouse restarts: the incarnation file the launcher writes, read by groups."""
+"""The Lighthouse process, and quorum ids unique across its restarts: the incarnation file the launcher
+writes, read by groups."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from elastic_qa.config import ReplicaConfig
 from elastic_qa.replica.ft import (
     INCARNATION_SPAN,
     QUORUM_FIELDS,
     LighthouseIncarnation,
     _IncarnationClient,
+    lighthouse_command,
 )
 
 
@@ -64,3 +72,34 @@ def test_the_client_rewrites_only_the_quorum_id_and_passes_every_other_call_thro
     assert result.quorum_id == INCARNATION_SPAN + 4
     assert all(getattr(result, name) == f"{name}-value" for name in QUORUM_FIELDS if name != "quorum_id")
     assert client.should_commit(0, 1, True) is True
+
+
+@pytest.mark.parametrize("standby", [False, True])
+def test_a_lighthouse_serves_without_importing_torch(tmp_path: Path, standby: bool) -> None:
+    """The Lighthouse is torchft's Rust extension, loaded without the torchft package (whose import pulls in
+    torch: seconds of CPU on every start and restart): its process never maps libtorch, and it answers."""
+    pytest.importorskip("torchft")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = lighthouse_command(port, ReplicaConfig(), "127.0.0.1", standby=standby)
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if standby:
+            assert process.stdout is not None and process.stdin is not None
+            assert process.stdout.readline().strip() == "ready"
+            process.stdin.write("serve\n")
+            process.stdin.flush()
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, f"the Lighthouse exited {process.returncode}"
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "the Lighthouse did not listen"
+            time.sleep(0.02)
+        maps = Path(f"/proc/{process.pid}/maps").read_text()
+        assert "libtorch" not in maps and "_torchft" in maps
+    finally:
+        process.kill()
+        process.wait()
