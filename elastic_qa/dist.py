@@ -269,8 +269,11 @@ def _timed_hook(state, bucket):  # no annotations: DDP checks them and string an
 def wrap_model(
     model: nn.Module, ctx: DistContext, cfg: DistConfig, timer: CommTimer | None = None
 ) -> nn.Module:
-    """DDP with the configured bucket size and (optionally compressing) all-reduce, timed by `timer`."""
-    if not ctx.distributed:
+    """DDP with the configured bucket size and (optionally compressing) all-reduce, timed by `timer`; the
+    model itself in a world of one rank (a job of one agent, a replica group of one worker), where DDP would
+    only copy every gradient into its buckets and hand each bucket to gloo's thread and back for a sum over
+    one rank: on a loaded 2-core host, a replica group's step spent more time there than in its backward."""
+    if not ctx.distributed or ctx.world_size == 1:
         return model
     ddp = DistributedDataParallel(
         model,

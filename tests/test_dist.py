@@ -101,21 +101,27 @@ WRAP = textwrap.dedent(
 
     warnings.simplefilter("always")  # every warning printed, however often it was seen
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
-    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo", 1)
+    # wrap_model reads the world's size from the context: two ranks, so that it wraps (DDP itself runs on
+    # the one-rank group); a world of one rank gets the model itself.
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo", 1)
     plain = wrap_model(torch.nn.Linear(4, 4), ctx, DistConfig())
     norm = wrap_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), ctx, DistConfig())
-    print(plain.broadcast_buffers, norm.broadcast_buffers)
+    alone = torch.nn.Linear(4, 4)
+    one = wrap_model(alone, DistContext(0, 1, 0, torch.device("cpu"), "gloo", 1), DistConfig())
+    print(plain.broadcast_buffers, norm.broadcast_buffers, one is alone)
     dist.destroy_process_group()
     """
 )
 
 
-def test_wrapping_a_model_in_ddp_prints_no_warning_and_syncs_only_running_statistics(tmp_path: Path) -> None:
+def test_wrapping_a_model_in_ddp_prints_no_warning_syncs_only_running_statistics_and_skips_a_world_of_one(
+    tmp_path: Path,
+) -> None:
     result = subprocess.run(
         [sys.executable, "-c", WRAP, str(tmp_path / "store")], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["False", "True"]
+    assert result.stdout.split() == ["False", "True", "True"]
     assert "Warning" not in result.stderr, result.stderr
 
 

@@ -42,7 +42,8 @@ def accumulate_gradients(
 ) -> torch.Tensor:
     """Forward and backward over `batch` in micro-batches, gradients synced (DDP) on the last one only;
     the sum of the windows' losses (detached, on this rank's device)."""
-    device, world_size, distributed = ctx.device, ctx.world_size, ctx.distributed
+    device, world_size = ctx.device, ctx.world_size
+    distributed = isinstance(model, DistributedDataParallel)  # not in a world of one rank (wrap_model)
     starts = list(range(0, batch.rows, micro_batch_size))
     # DDP averages gradients over ranks; scaling each rank's loss *sum* by world/global_count makes
     # the result the mean over the global batch, however unevenly the ranks' shares are split.
@@ -51,7 +52,6 @@ def accumulate_gradients(
     for i, lo in enumerate(starts):
         rows = slice(lo, lo + micro_batch_size)
         sync = i == len(starts) - 1 or not distributed
-        # Not syncing means distributed: then wrap_model made the model a DistributedDataParallel.
         with cast(DistributedDataParallel, model).no_sync() if not sync else nullcontext():
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 start_logits, end_logits = model(**model_inputs(batch.tensors, device, rows))
