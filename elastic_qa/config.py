@@ -550,12 +550,17 @@ class ReplicaConfig:
     lighthouse_port: int = 0
     """The Lighthouse's port on the launcher's host (0: a free one, chosen once per job); `elastic-qa node
     --replicas` takes the --endpoint's (a different one here is refused)."""
+    max_group_restarts: int = 10
+    """A group whose torchrun agent died (its node lost, or out of torchrun's restarts of its workers) is
+    started again at most this often over the job (0: never); past it, the group stays down while the
+    others go on, and the launcher exits 1."""
 
     def __post_init__(self) -> None:
         _require(self.groups >= 1, "groups", self.groups, "must be >= 1")
         _require(self.nproc_per_group >= 1, "nproc_per_group", self.nproc_per_group, "must be >= 1")
         _require(self.min_replicas >= 1, "min_replicas", self.min_replicas, "must be >= 1")
         _require(self.quorum_retries >= 0, "quorum_retries", self.quorum_retries, "must be >= 0")
+        _require(self.max_group_restarts >= 0, "max_group_restarts", self.max_group_restarts, "must be >= 0")
         _require(0 <= self.lighthouse_port < 65536, "lighthouse_port", self.lighthouse_port, "is no port")
         for name in ("heartbeat_timeout", "join_timeout", "quorum_timeout", "collective_timeout"):
             value = getattr(self, name)

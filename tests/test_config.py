@@ -209,6 +209,7 @@ def test_a_value_of_the_wrong_type_fails_naming_key_and_value(override, key, val
         ("train.lr=nan", "train.lr", "nan"),
         ("model.dropout=1", "model.dropout", "1"),
         ("run.dir=", "run.dir", "''"),
+        ("replica.max_group_restarts=-1", "replica.max_group_restarts", "-1"),
     ],
 )
 def test_an_impossible_value_fails_naming_key_and_value(override, key, value):

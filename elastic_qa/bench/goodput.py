@@ -27,10 +27,11 @@ Sides (one after another, or at the same time with --parallel):
 - torchft: elastic_qa.bench.torchft_side (2 replica groups of one process, torchft 0.2.0), skipped with
   the reason when torchft is not importable.
 - replicas: the product's replica-group mode (`elastic-qa replicas`, 2 groups, on torchft):
-  elastic_qa.bench.goodput_replicas. kill-worker only (it does not follow a group's new agent yet): with a
-  node kind in --kinds it is refused when asked for by --sides, and left out of the default sides with the
-  reason; likewise when torchft is not importable. Exactly-once is the replica ledger's check; a failed
-  check fails the run (exit 1).
+  elastic_qa.bench.goodput_replicas. kill-worker SIGKILLs a worker of one group; kill-node / term-node
+  SIGKILL / SIGTERM one group's torchrun agent (with its workers for kill-node), and the replica launcher
+  starts that group again. Every fault waits until both groups are up and have trained together since the
+  previous one. Skipped with the reason when torchft is not importable. Exactly-once is the replica
+  ledger's check; a failed check fails the run (exit 1).
 
 Figures per side: elastic_qa.bench.goodput_figures (effective training time, lost steps and time without
 a step per fault).
@@ -65,7 +66,6 @@ from elastic_qa.chaos.evidence import check_ledger, run_config
 from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
 from elastic_qa.chaos.job import Job
 from elastic_qa.chaos.schedule import Fault
-from elastic_qa.exits import UsageError
 from elastic_qa.launcher.processes import alive
 from elastic_qa.models import family_for
 from elastic_qa.observe.events import StepProgressRecord, records
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sides",
         type=choice_list(SIDES),
         default=None,
-        help=f"{','.join(SIDES)} (default all; replicas only with --kinds kill-worker)",
+        help=f"{','.join(SIDES)} (default all)",
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the fault times and kinds (default 0)")
     parser.add_argument("--parallel", action="store_true", help="run the sides at the same time")
@@ -287,7 +287,7 @@ def make_side(name: str, run_dir: Path, args: argparse.Namespace) -> Side:
     if name == "replicas":
         from elastic_qa.bench.goodput_replicas import ReplicaSide
 
-        return ReplicaSide(run_dir, args.config, args.overrides, args.seed, args.timeout)
+        return ReplicaSide(run_dir, args.config, args.overrides, args.seed, args.timeout, args.faults)
     return LauncherSide(name, run_dir, args.config, args.overrides, args.seed, args.timeout)
 
 
@@ -368,19 +368,11 @@ def torchft_missing() -> str | None:
     return None
 
 
-def choose_sides(asked: list[str] | None, kinds: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The sides to run and those skipped with why. The replica side takes kill-worker only: asked for
-    by name with a node kind, that is a usage error; in the default sides, it is skipped."""
+def choose_sides(asked: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The sides to run and those skipped with why (every side takes every kind of KINDS; the torchft
+    sides need torchft)."""
     names = list(SIDES if asked is None else asked)
     skipped: dict[str, str] = {}
-    if "replicas" in names and (node := sorted(NODE_KINDS & set(kinds))):
-        from elastic_qa.bench.goodput_replicas import UNSUPPORTED
-
-        why = f"{UNSUPPORTED}; run it with --kinds kill-worker"
-        if asked is not None:
-            raise UsageError(f"--sides replicas with --kinds {','.join(node)}: {why}")
-        skipped["replicas"] = why
-        names.remove("replicas")
     missing = torchft_missing()
     for name in NEEDS_TORCHFT:
         if name in names and missing is not None:
@@ -393,7 +385,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bench_config(args.config, args.overrides)  # bad config: one line now, not a launcher failure later
     mtbf_s = args.mtbf.total_seconds()
     plan = draw_plan(args.seed, mtbf_s, args.faults, args.kinds)
-    names, skipped = choose_sides(args.sides, args.kinds)
+    names, skipped = choose_sides(args.sides)
     for name, why in skipped.items():
         print(f"[goodput] {name} side skipped: {why}", flush=True)
     print(

@@ -3,17 +3,19 @@
     elastic-qa chaos run --run-dir DIR [--agents 2 --min 1 --max 4] [--config tiny]
                          (--fault KIND@step=N | --fault KIND@time=20s[,for=5s] ... | --seed S --faults N)
                          [--min-gap 2s] [-- key=value ...]
-    elastic-qa chaos run --replicas 2 --run-dir DIR [--config tiny] --fault KIND@step=N ... [key=value ...]
+    elastic-qa chaos run --replicas 2 --run-dir DIR [--config tiny]
+                         (--fault KIND@step=N ... | --seed S --faults N [--kinds ...]) [key=value ...]
     elastic-qa chaos verify DIR [--reference REF_DIR]
-    elastic-qa chaos schedule --seed S --faults N [--config tiny] [key=value ...]   # print it, fitted
+    elastic-qa chaos schedule [--replicas 2] --seed S --faults N [--config tiny] [key=value ...]  # print it
 
 (`python -m chaos ...` in a checkout.)
 
 Fault kinds: kill-worker, kill-node, term-node, join-node, freeze-worker, kill-during-save,
 corrupt-checkpoint, storage-errors, final-storage-errors, corrupt-replay, log-full, hup, second-job.
 With --replicas N the job is `elastic-qa replicas` (N replica groups), and its faults are kill-worker,
-kill-lighthouse, stall-replica (for= required) and kill-during-heal, by step (elastic_qa/chaos/replicas.py).
-A random schedule triggers its faults by step, one per slice of train.max_steps, and slows the job down
+kill-node, kill-lighthouse, stall-replica (for= required) and kill-during-heal, by step, 3 steps apart
+(elastic_qa/chaos/replicas.py). A random schedule triggers its faults by step, one per slice of
+train.max_steps, and (without --replicas, whose faults hold the job at their steps) slows the job down
 (debug.step_delay) when a slice would pass in less than --min-gap. The verdict prints a table (one row per
 fault: kind, step, lost steps, recovery seconds, verdict) and writes <DIR>/chaos/report.json and
 report.html. Exit 0 only when every check holds; 2 on bad arguments.
@@ -126,23 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("run", "schedule"):
         p = sub.add_parser(name, help="run a job with faults" if name == "run" else "print a schedule")
         p.add_argument("--config", default="tiny", help="config file or packaged name (default tiny)")
+        p.add_argument(
+            "--replicas",
+            type=int,
+            help="the replica-group mode: `elastic-qa replicas` with this many groups (faults: "
+            "kill-worker, kill-node, kill-lighthouse, stall-replica, kill-during-heal)",
+        )
         if name == "run":
             p.add_argument("--run-dir", required=True, help="a new directory for the job")
             p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is killed")
             p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
-            p.add_argument(
-                "--replicas",
-                type=int,
-                help="the replica-group mode: `elastic-qa replicas` with this many groups (faults: "
-                "kill-worker, kill-lighthouse, stall-replica, kill-during-heal)",
-            )
             p.add_argument(
                 "--reference-cache",
                 default="~/.cache/elastic_qa/chaos-reference",
                 help="where reference runs are kept, keyed by config",
             )
         p.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
-        # No defaults here: --replicas refuses them given (main fills them in for the default mode).
+        # No defaults for --agents/--min/--max/--min-gap: --replicas refuses them given (main fills them in
+        # for the default mode).
         p.add_argument("--agents", type=int, help="agents at the start (default 2)")
         p.add_argument("--min", type=int, help="fewest agents (default 1)")
         p.add_argument("--max", type=int, help="most agents (default 4)")
@@ -151,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--faults", type=int, default=0, help="random schedule: number of faults")
         p.add_argument(
             "--min-gap",
-            default="2s",
-            help="random schedule: least training time per fault; a faster job gets a debug.step_delay",
+            help="random schedule: least training time per fault (default 2s); a faster job gets a "
+            "debug.step_delay",
         )
         p.add_argument("--kinds", default="", help="random schedule: comma-separated kinds (default all)")
         for gone in ("--mean-interval", "--first-at"):  # wall-time triggers: faults now fire by step
@@ -168,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return cmd_verify(args)
-        if getattr(args, "replicas", None) is not None:
-            from elastic_qa.chaos.replicas import cmd_run_replicas
+        if args.replicas is not None:
+            from elastic_qa.chaos.replicas import cmd_run_replicas, cmd_schedule_replicas
 
-            return cmd_run_replicas(args)
+            return cmd_run_replicas(args) if args.command == "run" else cmd_schedule_replicas(args)
         args.agents = 2 if args.agents is None else args.agents
         args.min = 1 if args.min is None else args.min
         args.max = 4 if args.max is None else args.max
+        args.min_gap = "2s" if args.min_gap is None else args.min_gap
         if not 1 <= args.min <= args.agents <= args.max:
             raise ValueError(
                 f"need 1 <= --min ({args.min}) <= --agents ({args.agents}) <= --max ({args.max})"

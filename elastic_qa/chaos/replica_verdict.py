@@ -27,6 +27,9 @@ from an older checkpoint, the newer side of a split). Then each kind's own check
 
 - kill-worker: the group's torchrun started it again, it healed from a live peer, the others committed a
   step without it meanwhile, and nothing was discarded;
+- kill-node: the launcher saw the group's torchrun agent exit and started the group again, and then as
+  kill-worker: its new workers healed from a live peer, the others committed a step without it meanwhile,
+  and nothing was discarded;
 - kill-lighthouse: the launcher started a Lighthouse again at the same port, no group restarted (they
   retry their quorum requests), and the job committed steps after it (a restarted Lighthouse may give each
   group a quorum of its own for a moment: the older lineage's steps are then discarded, and counted);
@@ -43,7 +46,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -386,8 +389,8 @@ def judge_replica_faults(faults: list[dict[str, Any]], ev: ReplicaEvidence) -> l
         after = next((e for e in ev.committed if e["ts"] > fault["ts"]), None)
         if after is not None:
             row["recovery_s"] = round(after["ts"] - fault["ts"], 2)
-        problems: list[str] = []
-        notes = [
+        case = Case(fault, ev, window, row)
+        case.notes.append(
             f"cost: {len(refused)} step {'try' if len(refused) == 1 else 'tries'} not committed, "
             f"{len(left)} committed step{'' if len(left) == 1 else 's'} discarded; "
             + (
@@ -395,18 +398,18 @@ def judge_replica_faults(faults: list[dict[str, Any]], ev: ReplicaEvidence) -> l
                 if after is None
                 else f"{row['recovery_s']:.1f} s without a committed step"
             )
-        ]
+        )
         judge = _KIND_CHECKS.get(fault["fault"])
         if judge is None:
-            problems.append(f"{fault['fault']} is no fault of the replica-group mode")
+            case.problems.append(f"{fault['fault']} is no fault of the replica-group mode")
         else:
-            judge(fault, ev, window, row, problems, notes)
+            judge(case)
         if after is None:
-            problems.append("the job committed no step of the final chain after the fault")
-        if problems:
-            row.update(verdict="FAIL", note="; ".join(problems))
+            case.problems.append("the job committed no step of the final chain after the fault")
+        if case.problems:
+            row.update(verdict="FAIL", note="; ".join(case.problems))
         else:
-            row["note"] = "; ".join(notes)
+            row["note"] = "; ".join(case.notes)
     return rows
 
 
@@ -416,6 +419,35 @@ class Window(NamedTuple):
     since: float
     until: float
     last_step: int
+
+
+@dataclass
+class Case:
+    """One injected fault under judgement: its record, the run's evidence, its window and its report row;
+    its kind's check appends problems (any fails the row) and notes (the row's story when it passes)."""
+
+    fault: dict[str, Any]
+    ev: ReplicaEvidence
+    window: Window
+    row: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ts(self) -> float:
+        return float(self.fault["ts"])
+
+    @property
+    def group(self) -> int:
+        """The group the fault took out (kill-during-heal: the sender)."""
+        group = self.fault.get("group")
+        assert isinstance(group, int), self.fault
+        return group
+
+    @property
+    def pids(self) -> set[int]:
+        """The processes the fault killed or stopped."""
+        return set(self.fault.get("pids", []))
 
 
 def _restarts(
@@ -438,110 +470,108 @@ def _without(ev: ReplicaEvidence, after: float, until: float) -> list[dict[str, 
     return [e for e in ev.committed if after < e["ts"] < until and (e.get("participants") or 0) < ev.groups]
 
 
-def _kill_worker(
-    fault: dict[str, Any],
-    ev: ReplicaEvidence,
-    window: Window,
-    row: dict[str, Any],
-    problems: list[str],
-    notes: list[str],
-) -> None:
-    group, gone = fault.get("group"), set(fault.get("pids", []))
-    assert isinstance(group, int)
-    if not _restarts(ev, group, fault["ts"], window.until, gone):
-        problems.append(f"group {group}'s worker was not started again")
-    heals = [e for e in _heals(ev, group, fault["ts"], window.until) if e.get("pid") not in gone]
+def _kill_worker(case: Case) -> None:
+    ev, group, gone = case.ev, case.group, case.pids
+    if not _restarts(ev, group, case.ts, case.window.until, gone):
+        case.problems.append(f"group {group}'s workers were not started again")
+    heals = [e for e in _heals(ev, group, case.ts, case.window.until) if e.get("pid") not in gone]
     if not heals:
-        problems.append(f"group {group}'s restarted worker did not heal from a live peer")
+        case.problems.append(f"group {group}'s restarted workers did not heal from a live peer")
     else:
-        notes.append(
-            f"group {group} healed {heals[0]['ts'] - fault['ts']:.1f} s after the kill, at step "
+        case.notes.append(
+            f"group {group} healed {heals[0]['ts'] - case.ts:.1f} s after the kill, at step "
             f"{heals[0].get('step')}"
         )
-        if not _without(ev, fault["ts"], heals[0]["ts"]):
-            problems.append(f"the other groups committed no step while group {group} was out")
-    if row["discarded"]:
-        problems.append(
-            f"{row['discarded']} committed steps discarded: the survivors held the state, nothing may be"
+        if not _without(ev, case.ts, heals[0]["ts"]):
+            case.problems.append(f"the other groups committed no step while group {group} was out")
+    if case.row["discarded"]:
+        case.problems.append(
+            f"{case.row['discarded']} committed steps discarded: the survivors held the state, nothing may be"
         )
 
 
-def _kill_lighthouse(
-    fault: dict[str, Any],
-    ev: ReplicaEvidence,
-    window: Window,
-    row: dict[str, Any],
-    problems: list[str],
-    notes: list[str],
-) -> None:
+def _kill_node(case: Case) -> None:
+    """The launcher replaced the group (a `group_started` line after the killed agent's), then as
+    kill-worker: the workers of the new agent healed from a live peer."""
+    group, agent = case.group, case.fault.get("agent")
+    started = [
+        r for r in case.ev.launcher if r.get("event") == Event.GROUP_STARTED and r.get("group") == group
+    ]
+    pids = [r.get("pid") for r in started]
+    if agent not in pids or pids.index(agent) == len(pids) - 1:
+        case.problems.append(f"the launcher did not start group {group} again after its agent {agent} died")
+    else:
+        again = started[pids.index(agent) + 1]
+        case.notes.append(
+            f"the launcher started group {group} again {again['ts'] - case.ts:.1f} s after the kill"
+        )
+    _kill_worker(case)
+
+
+def _kill_lighthouse(case: Case) -> None:
+    fault, window = case.fault, case.window
     again = [
         r
-        for r in ev.launcher
+        for r in case.ev.launcher
         if r.get("event") == Event.LIGHTHOUSE_STARTED
         and r.get("pid") != fault.get("pid")
-        and r["ts"] > fault["ts"] - 1
+        and r["ts"] > case.ts - 1
     ]
     if not again:
-        problems.append("the launcher did not start the Lighthouse again")
+        case.problems.append("the launcher did not start the Lighthouse again")
         return
     if again[0].get("port") != fault.get("port"):
-        problems.append(f"the Lighthouse came back at port {again[0].get('port')}, not {fault.get('port')}")
-    notes.append(f"the Lighthouse listened again {again[0]['ts'] - fault['ts']:.1f} s after the kill")
+        case.problems.append(
+            f"the Lighthouse came back at port {again[0].get('port')}, not {fault.get('port')}"
+        )
+    case.notes.append(f"the Lighthouse listened again {again[0]['ts'] - case.ts:.1f} s after the kill")
     # A group whose request the new Lighthouse never answered gives up after replica.quorum_timeout: it
     # commits the state it holds and restarts (the others train on), then heals. Said, not failed: the
     # final checks say whether anything was lost.
     gave_up = sorted(
         {
             e.get("replica_group", -1)
-            for e in ev.of(Event.NO_QUORUM)
+            for e in case.ev.of(Event.NO_QUORUM)
             if window.since <= e["ts"] < window.until and isinstance(e.get("replica_group"), int)
         }
     )
     if gave_up:
-        notes.append(
+        case.notes.append(
             f"group{'' if len(gave_up) == 1 else 's'} {', '.join(map(str, gave_up))} got no quorum within "
             "replica.quorum_timeout: saved what it held, restarted and rejoined"
         )
-    if row["discarded"]:
-        notes.append(
+    if case.row["discarded"]:
+        case.notes.append(
             "the restarted Lighthouse gave the groups quorums of their own for a moment: the older "
             "lineage's steps were discarded"
         )
 
 
-def _stall_replica(
-    fault: dict[str, Any],
-    ev: ReplicaEvidence,
-    window: Window,
-    row: dict[str, Any],
-    problems: list[str],
-    notes: list[str],
-) -> None:
-    group, pids = fault.get("group"), set(fault.get("pids", []))
-    assert isinstance(group, int)
+def _stall_replica(case: Case) -> None:
+    ev, group, pids, stall_s = case.ev, case.group, case.pids, case.fault.get("stall_s") or 0
     thaws = [
         a["ts"]
         for a in ev.actions
-        if a.get("action") == "thawed" and a.get("group") == group and a["ts"] >= fault["ts"]
+        if a.get("action") == "thawed" and a.get("group") == group and a["ts"] >= case.ts
     ]
-    thawed = min(thaws, default=fault["ts"] + float(fault.get("stall_s") or 0))
+    thawed = min(thaws, default=case.ts + float(stall_s))
     replica = ev.cfg.replica
     bound = max(replica.collective_timeout, replica.heartbeat_timeout).total_seconds()
-    moved_on = _without(ev, fault["ts"], thawed)
-    if (fault.get("stall_s") or 0) >= bound and not moved_on:
-        problems.append(
-            f"the others committed no step in the {fault.get('stall_s')} s group {group} was stopped (past "
-            f"{bound:g} s they must move on)"
+    moved_on = _without(ev, case.ts, thawed)
+    if stall_s >= bound and not moved_on:
+        case.problems.append(
+            f"the others committed no step in the {stall_s} s group {group} was stopped (past {bound:g} s "
+            "they must move on)"
         )
     if moved_on:
         steps = f"{len(moved_on)} step{'' if len(moved_on) == 1 else 's'}"
-        notes.append(f"the others committed {steps} without group {group} while it was stopped")
-        heals = _heals(ev, group, thawed, window.until)
+        case.notes.append(f"the others committed {steps} without group {group} while it was stopped")
+        heals = _heals(ev, group, thawed, case.window.until)
         if not heals:
-            problems.append(f"group {group} did not heal after its thaw")
+            case.problems.append(f"group {group} did not heal after its thaw")
         else:
             how = "in the same process" if heals[0].get("pid") in pids else "after a restart"
-            notes.append(f"group {group} healed {how}, {heals[0]['ts'] - thawed:.1f} s after its thaw")
+            case.notes.append(f"group {group} healed {how}, {heals[0]['ts'] - thawed:.1f} s after its thaw")
     files = {f"pid-{pid}." for pid in pids}
     stale = sorted(
         {
@@ -549,41 +579,33 @@ def _stall_replica(
             for r in ev.ledger
             if r.get("kind") == "commit"
             and r.get("committed") is True
-            and (fault.get("step") or 0) < r.get("step", 0) <= window.last_step
+            and (case.fault.get("step") or 0) < r.get("step", 0) <= case.window.last_step
             and any(f in r.get("file", "") for f in files)
             and not ev.chain.on_chain(r["lineage"], r["step"])
         }
     )
     if stale:
-        problems.append(
+        case.problems.append(
             f"the stalled group committed steps the quorum moved past (lineage, step): {stale[:5]}"
         )
     saved = [
         e
         for e in ev.of(Event.CHECKPOINT_COMMITTED)
         if e.get("pid") in pids
-        and e["ts"] > fault["ts"]
+        and e["ts"] > case.ts
         and not ev.chain.on_chain(e.get("attempt", -1), e.get("step", -1))
     ]
     if saved:
-        problems.append(
+        case.problems.append(
             "the stalled group committed a checkpoint off the final chain: steps "
             f"{[e.get('step') for e in saved]}"
         )
-    if row["discarded"] and not stale:
-        problems.append(f"{row['discarded']} committed steps discarded: a stall must cost none")
+    if case.row["discarded"] and not stale:
+        case.problems.append(f"{case.row['discarded']} committed steps discarded: a stall must cost none")
 
 
-def _kill_during_heal(
-    fault: dict[str, Any],
-    ev: ReplicaEvidence,
-    window: Window,
-    row: dict[str, Any],
-    problems: list[str],
-    notes: list[str],
-) -> None:
-    sender, pids = fault.get("group"), set(fault.get("pids", []))
-    assert isinstance(sender, int)
+def _kill_during_heal(case: Case) -> None:
+    ev, fault, sender, pids = case.ev, case.fault, case.group, case.pids
     held = [
         e
         for e in ev.events
@@ -593,39 +615,41 @@ def _kill_during_heal(
         and e.get("released") is False
     ]
     if not held or not fault.get("held_at_heal"):
-        problems.append(f"group {sender} was not killed while held sending its state")
-    if not _restarts(ev, sender, fault["ts"], window.until, pids):
-        problems.append(f"the sending group {sender} was not started again")
+        case.problems.append(f"group {sender} was not killed while held sending its state")
+    if not _restarts(ev, sender, case.ts, case.window.until, pids):
+        case.problems.append(f"the sending group {sender} was not started again")
     kept = ev.groups - len({sender, fault.get("victim_group")})  # groups that still held the state
     step = int(fault.get("sender_step") or fault.get("step") or 0)
     saved = [
         e.get("step", 0)
         for e in ev.of(Event.CHECKPOINT_COMMITTED)
-        if e["ts"] < fault["ts"] and e.get("step", 0) <= step
+        if e["ts"] < case.ts and e.get("step", 0) <= step
     ]
     newest = max(saved, default=0)
     bound = 0 if kept else step - newest
-    row["bound"] = row["not_committed"] + bound
-    resumed = [e.get("step") for e in ev.of(Event.RESUME) if e["ts"] > fault["ts"] and e["ts"] < window.until]
+    case.row["bound"] = case.row["not_committed"] + bound
+    resumed = [e.get("step") for e in ev.of(Event.RESUME) if case.ts < e["ts"] < case.window.until]
     if kept:
-        notes.append(f"{kept} groups still held the state")
+        case.notes.append(f"{kept} groups still held the state")
     else:
         how = f"resumed from step {resumed[0]}" if resumed else "resumed"
-        notes.append(
+        case.notes.append(
             f"no group held the state of step {step} any more: the job {how} (newest checkpoint before "
             f"the kill: {newest})"
         )
-    if row["discarded"] > bound:
-        problems.append(
-            f"{row['discarded']} committed steps discarded, bound {bound} (the sender's step {step} less "
-            f"the newest checkpoint before the kill, {newest})"
+    discarded = case.row["discarded"]
+    if discarded > bound:
+        case.problems.append(
+            f"{discarded} committed steps discarded, bound {bound} (the sender's step {step} less the "
+            f"newest checkpoint before the kill, {newest})"
             if not kept
-            else f"{row['discarded']} committed steps discarded, bound 0: {kept} groups still held the state"
+            else f"{discarded} committed steps discarded, bound 0: {kept} groups still held the state"
         )
 
 
 _KIND_CHECKS = {
     "kill-worker": _kill_worker,
+    "kill-node": _kill_node,
     "kill-lighthouse": _kill_lighthouse,
     "stall-replica": _stall_replica,
     "kill-during-heal": _kill_during_heal,

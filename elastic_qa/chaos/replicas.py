@@ -1,4 +1,5 @@
-"""Chaos in the replica-group mode: `elastic-qa chaos run --replicas N --run-dir DIR --fault ... [key=value]`.
+"""Chaos in the replica-group mode: `elastic-qa chaos run --replicas N --run-dir DIR --fault ... [key=value]`
+(or a random schedule: `--seed S --faults K [--kinds ...]`).
 
 It starts `elastic-qa replicas` (`python -m elastic_qa.replica.launch`: a Lighthouse and one torchrun job per
 replica group) with the sample ledger on, injects this mode's faults at their steps, and hands the run to the
@@ -6,6 +7,10 @@ verdict (chaos/replica_verdict.py). The faults:
 
     kill-worker        SIGKILL one worker of one group: the others train on, the group's torchrun restarts
                        it and it heals from a live peer
+    kill-node          SIGKILL one group's torchrun agent, then its workers (the agent: the group's newest
+                       `group_started` line of <run.dir>/agents/replicas.jsonl; the workers: its children and
+                       the `worker_start` lines since): the launcher starts the group again, as a scheduler
+                       replaces a lost node, and it heals from a live peer
     kill-lighthouse    SIGKILL the Lighthouse (its pid: the newest `lighthouse_started` line of
                        <run.dir>/agents/replicas.jsonl): the launcher starts it again at the same address;
                        the groups, held at the step meanwhile, then ask the new one for their quorums
@@ -25,6 +30,13 @@ a later step would leave it waiting. `kill-during-heal` also arms a heal hold at
 serves from then on waits for its release), which is what lets the sender be killed mid-heal on any
 machine. The next fault waits until every group has committed a step together again. Faults therefore
 fire by step only, MIN_GAP steps apart at least, none within MIN_GAP steps of train.max_steps.
+
+A random schedule draws its kinds uniformly from `--kinds` (default all of this mode's: every group a fault
+takes out comes back, so there are no node bounds to keep) and places them as the default mode does
+(schedule.spread: one per slice of train.max_steps, the last slice left for recovery), MIN_GAP steps apart;
+kill-node at most replica.max_group_restarts times (its victims, drawn as the run goes, may be one group).
+A stall is drawn past the others' timeout, 1.5 to 2.5 times max(collective, heartbeat) timeout: shorter,
+it would only be a slow step.
 
 Every action is one JSON line in `<run-dir>/chaos/faults.jsonl` and on stdout, as in the default mode:
 an injection (fault, spec, target, the step, the wall time) or a later `action` (a hold released, a group
@@ -52,7 +64,7 @@ from typing import Any
 from elastic_qa.chaos.evidence import final_parameters, run_config
 from elastic_qa.chaos.faults import NoTarget
 from elastic_qa.chaos.runner import EVIDENCE, HOLDS, NOT_TRAINING, RETRY_EVERY_S, log_line, reference_key
-from elastic_qa.chaos.schedule import KINDS, Fault, ordered, parse_fault
+from elastic_qa.chaos.schedule import KINDS, Fault, ordered, parse_fault, spread
 from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.launcher.processes import (
     alive,
@@ -68,13 +80,14 @@ from elastic_qa.replica.ft import require_torchft
 from elastic_qa.replica.launch import not_in_this_mode
 from elastic_qa.step_holds import arm, release, release_all, release_heal
 
-KILL_WORKER, KILL_LIGHTHOUSE, STALL, KILL_DURING_HEAL = (
+KILL_WORKER, KILL_NODE, KILL_LIGHTHOUSE, STALL, KILL_DURING_HEAL = (
     "kill-worker",
+    "kill-node",
     "kill-lighthouse",
     "stall-replica",
     "kill-during-heal",
 )
-REPLICA_KINDS = (KILL_WORKER, KILL_LIGHTHOUSE, STALL, KILL_DURING_HEAL)
+REPLICA_KINDS = (KILL_WORKER, KILL_NODE, KILL_LIGHTHOUSE, STALL, KILL_DURING_HEAL)
 # Steps a fault needs: held at N until it lands, at N+1 until its group is back, healed by N+2.
 MIN_GAP = 3
 LAUNCHER = "elastic_qa.replica.launch"
@@ -105,13 +118,23 @@ def parse_replica_fault(text: str) -> Fault:
     return fault
 
 
-def validate_replica_schedule(faults: list[Fault], groups: int, max_steps: int) -> None:
+def validate_replica_schedule(
+    faults: list[Fault], groups: int, max_steps: int, max_group_restarts: int | None = None
+) -> None:
     """Refuse a schedule this mode cannot honour: every fault needs a group left training, its steps N and
-    N+1 held, and its group healed by N+2 before the next fault or the end."""
+    N+1 held, and its group healed by N+2 before the next fault or the end; and every node killed needs the
+    launcher to start its group again, which it does `replica.max_group_restarts` times per group (the
+    victims are drawn as the run goes, so all of them may be one group's)."""
     if groups < 2:
         raise ValueError(
             f"--replicas {groups}: every fault of this mode needs a group that trains on; give --replicas 2 "
             "or more"
+        )
+    nodes = sum(1 for fault in faults if fault.kind == KILL_NODE)
+    if max_group_restarts is not None and nodes > max_group_restarts:
+        raise ValueError(
+            f"{nodes} {KILL_NODE} faults, but the launcher starts a group again at most "
+            f"replica.max_group_restarts={max_group_restarts} times: give fewer, or raise it"
         )
     previous: Fault | None = None
     for fault in ordered(faults):
@@ -135,6 +158,55 @@ def validate_replica_schedule(faults: list[Fault], groups: int, max_steps: int) 
         previous = fault
 
 
+def replica_kinds(text: str) -> tuple[str, ...]:
+    """`--kinds a,b` of a random schedule in this mode (empty: all of this mode's kinds)."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip()) or REPLICA_KINDS
+    for kind in kinds:
+        if kind in KINDS and kind not in REPLICA_KINDS:
+            raise ValueError(
+                f"--kinds: {kind} has no meaning with --replicas (one of {', '.join(REPLICA_KINDS)})"
+            )
+        if kind not in REPLICA_KINDS:
+            raise ValueError(f"--kinds: unknown fault {kind!r} (one of {', '.join(REPLICA_KINDS)})")
+    return kinds
+
+
+def random_replica_schedule(
+    seed: int, count: int, cfg: Config, kinds: tuple[str, ...] = REPLICA_KINDS
+) -> list[Fault]:
+    """`count` faults of `kinds` drawn from `seed` (the same seed, the same schedule) and spread over the
+    job as the default mode's random schedules are, MIN_GAP steps apart (see the module's docstring)."""
+    rng = random.Random(seed)
+    drawn: list[str] = []
+    for _ in range(count):  # kill-node no more often than the launcher replaces a group (the same group)
+        spent = drawn.count(KILL_NODE) >= cfg.replica.max_group_restarts
+        drawn.append(rng.choice([k for k in kinds if not (spent and k == KILL_NODE)] or kinds))
+    replica = cfg.replica
+    bound = max(replica.collective_timeout, replica.heartbeat_timeout).total_seconds()
+
+    def duration(kind: str) -> float | None:
+        return round(rng.uniform(1.5, 2.5) * bound, 2) if kind == STALL else None
+
+    return spread(rng, drawn, cfg.train.max_steps, duration, gap=MIN_GAP)
+
+
+def replica_schedule(args: argparse.Namespace, cfg: Config) -> list[Fault]:
+    """The faults of `chaos run/schedule --replicas`: explicit (`--fault`) or random (`--seed`, `--faults`,
+    `--kinds`), refused (ValueError) when this mode cannot honour them."""
+    if cfg.train.epochs:  # faults, the verdict and the reference run count steps: the job must too
+        raise ValueError(f"train.epochs={cfg.train.epochs}: chaos runs take a train.max_steps, not epochs")
+    if args.fault and args.faults:
+        raise ValueError("give either --fault ... or --faults N, not both")
+    if args.kinds and not args.faults:
+        raise ValueError("--kinds picks the kinds of a random schedule: give --faults N too")
+    if args.faults:
+        schedule = random_replica_schedule(args.seed, args.faults, cfg, replica_kinds(args.kinds))
+    else:
+        schedule = [parse_replica_fault(text) for text in args.fault]
+    validate_replica_schedule(schedule, args.replicas, cfg.train.max_steps, cfg.replica.max_group_restarts)
+    return schedule
+
+
 def refuse_other_options(args: argparse.Namespace) -> None:
     """The default mode's options that mean nothing here, refused with one line."""
     for flag in ("agents", "min", "max"):
@@ -143,10 +215,10 @@ def refuse_other_options(args: argparse.Namespace) -> None:
                 f"--{flag} has no meaning with --replicas: the job is --replicas groups of "
                 "replica.nproc_per_group workers each"
             )
-    if args.faults or args.kinds:
+    if args.min_gap is not None:
         raise ValueError(
-            "--faults/--kinds: with --replicas give each fault as --fault KIND@step=N (this mode has no "
-            "random schedule yet)"
+            "--min-gap has no meaning with --replicas: each fault holds the job at its step until it lands "
+            "and its group is back, however fast the steps are"
         )
     for override in args.overrides:
         key, _, value = override.partition("=")
@@ -200,7 +272,7 @@ class ReplicaDriver:
     def kill_everything(self) -> None:
         """SIGKILL the launcher and everything under it (the Lighthouse, the groups' agents, their workers),
         and any group agent left from it (an agent's pid is trusted only while it names this run)."""
-        agents = [pid for pid in self.agents().values() if any(str(self.run_dir) in a for a in cmdline(pid))]
+        agents = [pid for pid in self.agents().values() if self.names_this_run(pid)]
         launcher = [self.process.pid] if self.process and self.process.poll() is None else []
         kill_trees([*launcher, *agents])
         if self.process:
@@ -222,6 +294,37 @@ class ReplicaDriver:
     def workers(self, group: int) -> list[int]:
         agent = self.agents().get(group)
         return [] if agent is None else [pid for pid in workers_of(agent) if alive(pid)]
+
+    def group_agent(self, group: int) -> tuple[int, float]:
+        """The group's newest torchrun agent and when it was started (its newest `group_started` line);
+        NoTarget while it is gone (the launcher is starting the group again) or its pid names no agent of
+        this run."""
+        started = [
+            r for r in self.records() if r.get("event") == Event.GROUP_STARTED and r.get("group") == group
+        ]
+        if not started or not self.names_this_run(started[-1]["pid"]):
+            raise NoTarget(f"replica group {group} has no live torchrun agent")
+        return started[-1]["pid"], started[-1].get("ts", 0.0)
+
+    def group_workers(self, group: int, agent: int, since: float) -> list[int]:
+        """The live workers of `group` under `agent`: its children, and every process that logged
+        `worker_start` for the group since `since` and still names this run (one its agent no longer
+        parents)."""
+        logged = {
+            row["pid"]
+            for row in self.follow()
+            if row.get("event") == Event.WORKER_START
+            and row.get("replica_group") == group
+            and isinstance(row.get("pid"), int)
+            and row.get("ts", 0) >= since
+        }
+        found = {*workers_of(agent), *(pid for pid in logged if self.names_this_run(pid))}
+        return sorted(pid for pid in found if alive(pid))
+
+    def names_this_run(self, pid: int) -> bool:
+        """Whether `pid` is a live process started for this run (its command line names the run's
+        directory): a pid read from a line is trusted only then."""
+        return any(str(self.run_dir) in arg for arg in cmdline(pid))
 
     def lighthouse(self) -> dict[str, Any]:
         """The newest `lighthouse_started` line; NoTarget while there is none or its process is gone."""
@@ -461,6 +564,28 @@ class ReplicaRunner:
             "ts": time.time(),
         }
 
+    def _kill_node(self, fault: Fault, index: int) -> dict[str, Any]:
+        """SIGKILL one group's torchrun agent and its workers, as a lost node: the launcher starts the group
+        again (its first workers ask for a quorum and heal from a live peer)."""
+        group = self.rng.randrange(self.groups)
+        agent, since = self.job.group_agent(group)
+        _kill(agent, signal.SIGSTOP)  # it starts no worker between the listing and the kill
+        workers = self.job.group_workers(group, agent, since)
+        if not workers:  # its torchrun is restarting them: try again once they are up
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent, signal.SIGCONT)
+            raise NoTarget(f"replica group {group} has no live worker")
+        for pid in [agent, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return {
+            "target": f"replica group {group}: torchrun agent pid {agent} and workers {workers}",
+            "group": group,
+            "agent": agent,
+            "pids": [agent, *workers],
+            "ts": time.time(),
+        }
+
     def _kill_lighthouse(self, fault: Fault, index: int) -> dict[str, Any]:
         """SIGKILL the Lighthouse and wait (held at N) until the launcher has it listening again: the groups
         then ask the new one for their quorums (as tests/replica/test_faults.py does)."""
@@ -640,12 +765,9 @@ def cmd_run_replicas(args: argparse.Namespace) -> int:
     if (refusal := not_in_this_mode(cfg)) is not None:
         raise ConfigError(refusal)
     require_torchft()
-    if cfg.train.epochs:
-        raise ValueError(f"train.epochs={cfg.train.epochs}: chaos runs take a train.max_steps, not epochs")
     if (run_dir / RECORDS).exists() or (run_dir / "launch.json").exists():
         raise ValueError(f"{run_dir} already holds a job; use a new --run-dir")
-    schedule = [parse_replica_fault(text) for text in args.fault]
-    validate_replica_schedule(schedule, args.replicas, cfg.train.max_steps)
+    schedule = replica_schedule(args, cfg)
     print("schedule: " + " ".join(f.describe() for f in schedule), flush=True)
     reference = None
     if not args.no_reference:
@@ -660,3 +782,12 @@ def cmd_run_replicas(args: argparse.Namespace) -> int:
     print(format_table(verdict))
     print(f"report: {json_path}  picture: {page}")
     return 0 if verdict.ok else 1
+
+
+def cmd_schedule_replicas(args: argparse.Namespace) -> int:
+    """`chaos schedule --replicas N`: print the schedule `chaos run` would inject, one fault a line."""
+    refuse_other_options(args)
+    cfg = resolve_config(args.config, [*args.overrides, f"replica.groups={args.replicas}"])
+    for fault in replica_schedule(args, cfg):
+        print(fault.describe())
+    return 0

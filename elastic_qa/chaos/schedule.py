@@ -6,7 +6,8 @@ to the job: faults are triggered by training step, one in each of `count` equal 
 running job, however fast or slow its steps are. Wall-time triggers used to place faults after a short
 job had ended (seed 11, 4 faults on the 40-step tiny job: 1 injected, 3 skipped). `fit_job` then slows a
 job whose slices would pass too quickly for a fault to act (and checkpoints often enough for the faults
-that need a checkpoint to hit).
+that need a checkpoint to hit). The replica-group mode places its random faults the same way (`spread`,
+3 steps apart: chaos/replicas.py).
 
 It honours the job's node bounds by tracking the number of agents each fault leaves: a node is only
 killed or stopped while more than `min` agents run (and never the c10d store host), and only joins while
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from elastic_qa.config import Config, format_duration, parse_duration
@@ -168,15 +170,35 @@ def ordered(faults: list[Fault]) -> list[Fault]:
     return sorted(faults, key=_order)
 
 
-def slices(max_steps: int, count: int) -> tuple[int, int]:
-    """(steps per fault slice, the step the final fault fires at) for `count` faults on the job."""
+def slices(max_steps: int, count: int, least: int = 2) -> tuple[int, int]:
+    """(steps per fault slice, the step the final fault fires at) for `count` faults on the job, each
+    slice `least` steps at least."""
     width = max_steps // (count + 1)
-    if width < 2:
+    if width < least:
         raise ValueError(
-            f"{count} faults need at least {2 * (count + 1)} steps (2 per fault, and room for the last "
-            f"fault's recovery); the job has train.max_steps={max_steps}"
+            f"{count} faults need at least {least * (count + 1)} steps ({least} per fault, and room for the "
+            f"last fault's recovery); the job has train.max_steps={max_steps}"
         )
     return width, max_steps - max(1, min(5, width // 2))
+
+
+def spread(
+    rng: random.Random,
+    drawn: list[str],
+    max_steps: int,
+    duration: Callable[[str], float | None],
+    gap: int = 1,
+) -> list[Fault]:
+    """Faults of the kinds `drawn`, in order, one at a random step of each of `len(drawn)` equal slices of
+    [1, max_steps - slice], `gap` steps apart at least (the replica mode needs 3: chaos/replicas.py), each
+    with the window `duration(kind)` drawn after its step; `final-storage-errors` a few steps before
+    max_steps. With gap 1 the steps are drawn as they always were: a seed keeps its schedule."""
+    width, final_step = slices(max_steps, len(drawn), max(2, gap))
+    faults = []
+    for index, kind in enumerate(drawn):
+        step = final_step if kind == FINAL else 1 + index * width + rng.randrange(width - gap + 1)
+        faults.append(Fault(kind, at_step=step, duration=duration(kind)))
+    return faults
 
 
 def random_schedule(
@@ -192,7 +214,7 @@ def random_schedule(
     kinds drawn uniformly among those the node bounds allow at that point (`final-storage-errors` at most
     once, moved to a few steps before max_steps; `second-job` only in the first half of the job)."""
     rng = random.Random(seed)
-    width, final_step = slices(max_steps, count)
+    slices(max_steps, count)  # a job too short is refused before anything is drawn
     drawn: list[str] = []
     nodes = agents
     for index in range(count):
@@ -213,11 +235,7 @@ def random_schedule(
     if FINAL in drawn:  # no effect on the node count, so moving it to the end keeps the bounds
         drawn.remove(FINAL)
         drawn.append(FINAL)
-    faults = []
-    for index, kind in enumerate(drawn):
-        step = final_step if kind == FINAL else 1 + index * width + rng.randrange(width)
-        faults.append(Fault(kind, at_step=step, duration=_random_duration(rng, kind, min_nodes)))
-    return faults
+    return spread(rng, drawn, max_steps, lambda kind: _random_duration(rng, kind, min_nodes))
 
 
 def _random_duration(rng: random.Random, kind: str, min_nodes: int) -> float | None:
@@ -285,5 +303,6 @@ __all__ = [
     "random_schedule",
     "restarts_group",
     "slices",
+    "spread",
     "validate",
 ]

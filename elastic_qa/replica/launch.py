@@ -3,13 +3,13 @@
     elastic-qa replicas --config tiny run.dir=runs/replicas replica.groups=2 [key=value ...]
 
 Each replica group is a torchrun job of its own (one node, `replica.nproc_per_group` workers, DDP inside,
-torchrun's own restarts), so a fault restarts one group while the others keep training (a group whose
-torchrun agent itself died is started again here, as a scheduler would replace a lost node); the groups form a
-quorum per step through torchft's Lighthouse, which this launcher runs and supervises: a Lighthouse that
-exits is replaced at the same address by a standby started ahead (loaded and waiting, so it serves within
-milliseconds), and the groups retry their quorum requests meanwhile (`replica.quorum_retries`). The job's
-heal key (the secret a group proves it belongs to the job with when it asks a peer for the training state)
-is made here and given to every group in the environment.
+torchrun's own restarts), so a fault restarts one group while the others keep training (a group whose torchrun
+agent itself died is started again here, as a scheduler would replace a lost node, up to
+`replica.max_group_restarts` times); the groups form a quorum per step through torchft's Lighthouse, which
+this launcher runs and supervises: a Lighthouse that exits is replaced at the same address by a standby
+started ahead (loaded and waiting, so it serves within milliseconds), and the groups retry their quorum
+requests meanwhile (`replica.quorum_retries`). The job's heal key (the secret a group proves it belongs to the
+job with when it asks a peer for the training state) is made here and given to every group in the environment.
 
 What the launcher writes, one JSON line each, to <run.dir>/agents/replicas.jsonl: `job_start` (groups,
 lighthouse), `lighthouse_started` (pid, incarnation, standby), `lighthouse_standby` (pid: the next
@@ -54,7 +54,6 @@ from elastic_qa.session.hold import RunHeldError, RunHold
 WORKER = "elastic_qa.replica.worker"
 KEY_ENV = "ELASTIC_QA_REPLICA_KEY"
 MAX_RESTARTS = 100  # a group's torchrun restarts its workers this often before it gives up
-MAX_GROUP_RESTARTS = 10  # a group whose torchrun agent died is started again this often
 
 
 class StandbyLighthouse:
@@ -262,8 +261,7 @@ class ReplicaJob:
             return self.supervise_groups()
         finally:
             self.stopping.set()
-            for process in self.groups.values():
-                end_process(process, grace_s=30)
+            end_groups(list(self.groups.values()), grace_s=30)
             if self.lighthouse is not None:
                 end_process(self.lighthouse, grace_s=5)
             if self.standby is not None:
@@ -274,9 +272,9 @@ class ReplicaJob:
     def supervise_groups(self) -> dict[int, int]:
         """Wait for every group; start a group whose torchrun agent died (killed, or out of restarts) again,
         as a cluster scheduler would replace a lost node, unless the job is done (a group finished), the
-        group refused its input (exit 2), or it was started MAX_GROUP_RESTARTS times already. The started
-        group holds no state: it heals from a live peer, or restores the newest checkpoint when none is
-        left. Returns each group's last exit code."""
+        group refused its input (exit 2), or it was started `replica.max_group_restarts` times already. The
+        started group holds no state: it heals from a live peer, or restores the newest checkpoint when none
+        is left. Returns each group's last exit code."""
         codes: dict[int, int] = {}
         restarts = dict.fromkeys(self.groups, 0)
         while len(codes) < len(self.groups):
@@ -286,13 +284,29 @@ class ReplicaJob:
                     continue
                 self.record(Event.GROUP_EXIT, group=group, code=code)
                 done = 0 in codes.values() or code in (0, EXIT_BAD_INPUT) or self.stopping.is_set()
-                if done or restarts[group] >= MAX_GROUP_RESTARTS:
+                if done or restarts[group] >= self.cfg.replica.max_group_restarts:
                     codes[group] = code
                 else:
                     restarts[group] += 1
                     self.groups[group] = self.start_group(group)
             self.stopping.wait(MONITOR_INTERVAL_S)
         return codes
+
+
+def end_groups(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every group's torchrun agent at once, then SIGKILL any still running after `grace_s`. At once:
+    each group saves the step it completed last as it stops, and groups stopped one after another would
+    each save a step of their own (the later ones training alone in new lineages meanwhile)."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def not_in_this_mode(cfg: Config) -> str | None:

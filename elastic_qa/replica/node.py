@@ -3,15 +3,15 @@
     elastic-qa node --replicas --group N --endpoint HOST0:29510 [--store-host] [--local-addr ADDR]
                     [--interface IF] [--rdzv-id ID] [--config CFG] [overrides ...]
 
-Run one command on every host, each with its own --group (0 .. replica.groups - 1). The endpoint is the
-job's Lighthouse (torchft's): the host that owns its address adds --store-host and runs the Lighthouse
-beside its group, supervised as `elastic-qa replicas` does (started again at the same address when it
-exits). Each host runs one replica group: a torchrun job of its own over `replica.nproc_per_group` workers
-(torchrun's own restarts; a group whose torchrun agent died is started again here, up to 10 times, as the
-local launcher does). What each group is given: the Lighthouse's address, its group number, the address the
-other hosts reach it at (the one that routes to the endpoint, as `elastic-qa node` finds it: the group's
-heal server, torchft's manager and its store are published there, gloo listens on its interface) and the
-job's heal key.
+Run one command on every host, each with its own --group (0 .. replica.groups - 1). The endpoint is the job's
+Lighthouse (torchft's): the host that owns its address adds --store-host and runs the Lighthouse beside its
+group, supervised as `elastic-qa replicas` does (started again at the same address when it exits). Each host
+runs one replica group: a torchrun job of its own over `replica.nproc_per_group` workers (torchrun's own
+restarts; a group whose torchrun agent died is started again here, up to `replica.max_group_restarts` times,
+as the local launcher does). What each group is given: the Lighthouse's address, its group number, the address
+the other hosts reach it at (the one that routes to the endpoint, as `elastic-qa node` finds it: the group's
+heal server, torchft's manager and its store are published there, gloo listens on its interface) and the job's
+heal key.
 
 The heal key is ELASTIC_QA_REPLICA_KEY when set (the same on every host), else `<run.dir>/replica/heal.key`:
 created by the store host (mode 0600, this user's) and only ever read by the others, which refuse one that

@@ -44,7 +44,8 @@ from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalBatch, GlobalBatchIterator
 from elastic_qa.data.examples import DataError
 from elastic_qa.dist import DistContext, init_distributed, set_threads, shutdown, unwrap, usable_cores
-from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
+from elastic_qa.elastic.signals import StopRequest
+from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_REGROUP
 from elastic_qa.loop.model import build_trained_model, new_train_state
 from elastic_qa.loop.step import accumulate_gradients, autocast_dtype, optimizer_step
 from elastic_qa.models import family_for
@@ -148,6 +149,7 @@ class ReplicaTrainer:
         self.waiting_since = 0.0  # when this group, holding no state, began to wait for a peer (0: it is not)
         self._quorum_key: tuple[int, int] | None = None  # (quorum id, members) of the last step tried
         self._claimed: int | None = None  # the lineage this group claimed for the current quorum
+        self.stop = StopRequest()  # SIGTERM, SIGINT, SIGHUP: finish the step, save, leave
         self._last_rank = 0  # this group's quorum rank at its last committed step
 
     # ---- the heal: the whole training state, to and from a live peer --------------------------------
@@ -185,8 +187,11 @@ class ReplicaTrainer:
         )  # fmt: skip
         self.model.train()
         self.durable.start_schedule()
+        self.stop.install()
         last: Quorum | None = None  # the last step's quorum: the next step trains its share while it forms
         while (state.step < state.end_step and not state.best.exhausted) or not self.durable.lineage:
+            if self._stop_requested():
+                return self._stop()
             started = time.perf_counter()
             self._quorum_or_save(self.manager.begin_step)
             trained = None
@@ -414,14 +419,36 @@ class ReplicaTrainer:
                 )  # fmt: skip
         return self._claimed if self._claimed is not None else self.durable.lineage
 
+    def _stop_requested(self) -> bool:
+        """Whether this group stops before its next step: a stop signal reached one of its workers (torchrun
+        signals them all, not at one instant: the group's workers agree, so that they leave at one step)."""
+        requested = self.stop.notice(self.log)
+        if self.ctx.world_size > 1:
+            flag = torch.tensor([int(requested)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            requested = bool(flag.item())
+        return requested
+
+    def _stop(self) -> dict[str, Any]:
+        """Leave at a step boundary, the step this group completed last committed (a node drained, the job
+        preempted or Ctrl-C'd: every group of a stopped job is signalled, and the groups still training go
+        on without this one). The group's peers may hold the same state: a checkpoint of it by this
+        lineage that stands already is not written again."""
+        self.log.warning(Event.STOPPING, step=self.state.step, signal=self.stop.signal_name)
+        with self.stop.saving():
+            self.durable.save_for_stop(self.group)
+        self.reports.close(finished=False)
+        return {"stopped": True, "step": self.state.step}
+
     def _after_step(self, step: int) -> None:
         self.waiting_since = 0.0
-        hold_after_step(self.cfg, step, lambda: False)
+        hold_after_step(self.cfg, step, lambda: self.stop.requested)
 
     def _logs_line(self, step: int) -> bool:
         return step % self.cfg.log.every_steps == 0 or step == self.state.end_step
 
     def close(self) -> None:
+        self.stop.uninstall()
         self.reports.close(finished=False)  # a no-op once train() closed them
         self.durable.close()
         self.manager.shutdown()
@@ -458,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
                  restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # fmt: skip
         trainer = ReplicaTrainer(cfg, ctx, data, group, lighthouse)
         try:
-            trainer.train()
+            result = trainer.train()
         finally:
             trainer.close()
+        if result.get("stopped"):  # saved: torchrun starts the group again (it heals), unless it is stopping
+            return EXIT_REGROUP
     except (DataError, ResumeError, ConfigError, HealError) as err:
         log.error(Event.BAD_INPUT, error=str(err))
         print(f"elastic-qa: {err}", file=sys.stderr)

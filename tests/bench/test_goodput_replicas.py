@@ -1,7 +1,8 @@
 """`elastic-qa bench goodput`'s replica side: which sides run, the per-fault stall rule, and a real run.
 
-No timing assertions: the real run checks that every figure is there and sane, that each fault killed a
-worker of a replica group that then healed, and that the ledger check ran, passed, and can fail.
+No timing assertions: the real runs check that every figure is there and sane, that each fault hit a replica
+group (a worker, or the group's torchrun agent) that then healed, and that the ledger check ran, passed, and
+can fail.
 """
 
 from __future__ import annotations
@@ -15,33 +16,50 @@ import pytest
 from elastic_qa.bench import goodput
 from elastic_qa.bench.cli import main
 from elastic_qa.bench.goodput_figures import Step, gap_per_fault
-from elastic_qa.bench.goodput_replicas import ReplicaSide
-from elastic_qa.exits import EXIT_BAD_INPUT
+from elastic_qa.bench.goodput_replicas import KINDS, ReplicaSide
+from elastic_qa.observe.follow import read_events
 from tests.bench.test_goodput import sane
 
 
-def test_the_replica_side_runs_by_default_only_with_kill_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_replica_side_runs_by_default_and_takes_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(goodput, "torchft_missing", lambda: None)
-    names, skipped = goodput.choose_sides(None, ["kill-worker"])
+    names, skipped = goodput.choose_sides(None)
     assert names == ["product", "bare", "torchft", "replicas"] and skipped == {}
-    names, skipped = goodput.choose_sides(None, ["kill-worker", "kill-node"])
-    assert "replicas" not in names and "supports only kill-worker" in skipped["replicas"]
-    with pytest.raises(goodput.UsageError, match="--sides replicas with --kinds kill-node,term-node"):
-        goodput.choose_sides(["bare", "replicas"], ["kill-worker", "term-node", "kill-node"])
+    assert set(goodput.KINDS) <= KINDS  # node faults included: nothing to refuse
 
 
 def test_without_torchft_the_replica_side_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(goodput, "torchft_missing", lambda: "torchft is not importable (test)")
-    names, skipped = goodput.choose_sides(["bare", "replicas"], ["kill-worker"])
+    names, skipped = goodput.choose_sides(["bare", "replicas"])
     assert names == ["bare"] and skipped == {"replicas": "torchft is not importable (test)"}
 
 
-def test_a_node_kind_for_the_replica_side_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["goodput", "--mtbf", "4s", "--faults", "1", "--sides", "replicas", "--kinds", "kill-node"]
-    assert main([*argv, "--work-dir", str(tmp_path / "work")]) == EXIT_BAD_INPUT
-    assert "not followed by this side yet" in capsys.readouterr().err
+def test_a_groups_workers_are_those_of_its_newest_agent(tmp_path: Path) -> None:
+    """A group whose agent the launcher replaced: its new agent's workers count their restarts from 0 again,
+    yet they, not the old agent's restarted workers, are the group's."""
+    side = ReplicaSide(tmp_path / "run", "tiny", [], seed=0, faults=30)
+    assert side.cfg.replica.max_group_restarts == 30  # a group restart per fault
+
+    def started(ts: float, group: int, pid: int) -> dict[str, Any]:
+        return {"event": "group_started", "ts": ts, "group": group, "pid": pid}
+
+    def worker(ts: float, group: int, pid: int, restart: int) -> dict[str, Any]:
+        return {
+            "event": "worker_start",
+            "ts": ts,
+            "replica_group": group,
+            "pid": pid,
+            "restart_count": restart,
+        }
+
+    side.events += [started(1, 0, 100), started(1, 1, 200), worker(2, 0, 101, 0), worker(2, 1, 201, 0)]
+    side.events += [worker(3, 0, 102, 1)]  # group 0's worker killed: its torchrun restarted it
+    assert side.current_workers() == {0: [102], 1: [201]}
+    side.events += [started(4, 0, 110)]  # group 0's agent killed: the launcher started a new one
+    assert side.agents()[0]["pid"] == 110 and side.current_workers() == {1: [201]}
+    assert not side.whole()  # the new agent has no worker yet
+    side.events += [worker(5, 0, 111, 0)]
+    assert side.current_workers() == {0: [111], 1: [201]}
 
 
 def test_the_next_faults_stall_is_not_charged_to_the_previous_fault() -> None:
@@ -106,3 +124,39 @@ def test_a_short_goodput_run_of_bare_and_replicas(tmp_path: Path, cache_dir: Pat
                     log.write(json.dumps(row) + "\n")
     verdict = side.report([], [])["ledger"]
     assert not verdict["ok"] and any("step 1:" in problem for problem in verdict["problems"]), verdict
+
+
+@pytest.mark.integration
+@pytest.mark.bench
+def test_a_short_goodput_run_of_node_faults_on_the_replica_side(tmp_path: Path, cache_dir: Path) -> None:
+    """kill-node then term-node (seed 1): each ends one group's torchrun agent, the launcher starts the group
+    again, and the new group heals from its peer; the bench follows the new agent's workers."""
+    pytest.importorskip("torchft")
+    out = tmp_path / "goodput.json"
+    argv = [
+        "goodput", "--mtbf", "3s", "--faults", "2", "--kinds", "kill-node,term-node", "--sides", "replicas",
+        "--seed", "1", "--out", str(out), "--work-dir", str(tmp_path / "work"), f"data.cache_dir={cache_dir}",
+    ]  # fmt: skip
+    assert main(argv) == 0  # 0: every fault landed and the job was whole again after the last one
+    replicas = json.loads(out.read_text())["sides"]["replicas"]
+    sane(replicas, 2)
+    ledger = replicas["ledger"]
+    assert ledger["ok"] and ledger["problems"] == [], ledger
+    faults = replicas["faults"]
+    signals = [(record["fault"], record.get("signal")) for record in faults]
+    assert signals == [("kill-node", "SIGKILL"), ("term-node", "SIGTERM")], faults
+    assert all(" agent (pid " in record["target"] for record in faults), faults
+    assert replicas["group_restarts"] >= 2
+    # The launcher saw each signalled agent exit and started its group again, which healed from its peer
+    # before the next fault.
+    run_dir = tmp_path / "work" / "replicas"
+    records = read_rows(run_dir / "agents" / "replicas.jsonl")
+    assert sum(row["event"] == "group_started" for row in records) >= 4
+    assert sum(row["event"] == "group_exit" for row in records) >= 2
+    heals = [row for row in read_events(run_dir) if row["event"] == "heal"]
+    ends = [record["ts"] for record in faults[1:]] + [float("inf")]
+    for record, end in zip(faults, ends, strict=True):
+        group = int(record["target"].split()[2])  # "replica group N agent (pid P)..."
+        assert any(row.get("replica_group") == group and record["ts"] < row["ts"] < end for row in heals), (
+            record
+        )

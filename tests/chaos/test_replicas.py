@@ -1,9 +1,10 @@
-"""Chaos in the replica-group mode: the faults parsed and refused, one short scenario on a real job (a real
-Lighthouse, one real torchrun job per group, real signals by pid), and the verdict shown to fail on doctored
-evidence of that run."""
+"""Chaos in the replica-group mode: the faults parsed and refused, random schedules drawn, one short scenario
+and one short random schedule on a real job (a real Lighthouse, one real torchrun job per group, real
+signals by pid), and the verdict shown to fail on doctored evidence of that run."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -13,9 +14,16 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.chaos.cli import main
-from elastic_qa.chaos.replicas import parse_replica_fault, validate_replica_schedule
-from elastic_qa.chaos.schedule import Fault
+from elastic_qa.chaos.replicas import (
+    MIN_GAP,
+    REPLICA_KINDS,
+    parse_replica_fault,
+    random_replica_schedule,
+    validate_replica_schedule,
+)
+from elastic_qa.chaos.schedule import Fault, slices
 from elastic_qa.chaos.verify import verify_run
+from elastic_qa.config import load_config, packaged_config
 from elastic_qa.observe.follow import read_events
 
 FAULTS = [
@@ -25,6 +33,9 @@ FAULTS = [
     "kill-during-heal@step=16",
 ]
 MAX_STEPS = 20
+# The random schedule run on a real job: seed SEED draws both kinds, kill-node at step 2 (a group's torchrun
+# agent and its worker killed at once, the group started again by the launcher), then kill-worker at 5.
+SEED, RANDOM_KINDS, RANDOM_STEPS = 6, "kill-node,kill-worker", 12
 
 
 # ---- parsing and refusals: no job ---------------------------------------------------------------------
@@ -73,7 +84,12 @@ def test_a_schedule_this_mode_cannot_honour_is_refused(faults: list[str], groups
     [
         (["--fault", "join-node@step=5"], "join-node has no meaning with --replicas"),
         (["--agents", "3", "--fault", "kill-worker@step=5"], "--agents has no meaning with --replicas"),
-        (["--faults", "3"], "no random schedule"),
+        (["--faults", "2", "--kinds", "join-node"], "join-node has no meaning with --replicas"),
+        (["--faults", "2", "--kinds", "explode"], "unknown fault 'explode'"),
+        (["--faults", "2", "--min-gap", "5s"], "--min-gap has no meaning with --replicas"),
+        (["--fault", "kill-worker@step=5", "--faults", "2"], "not both"),
+        (["--kinds", "kill-node"], "give --faults N too"),
+        (["--faults", "20"], "train.max_steps=40"),  # 3 steps per fault on the 40-step tiny job
         (["--fault", "kill-worker@step=5", "replica.groups=3"], "replica.groups=3"),
         (["--fault", "kill-worker@step=5", "train.max_steps=x"], "max_steps"),
     ],
@@ -87,6 +103,76 @@ def test_the_cli_refuses_bad_combinations_with_one_line_and_exit_2(
     assert code == 2
     assert len(err) == 1 and says in err[0], err
     assert not run_dir.exists()  # refused before anything starts
+
+
+# ---- random schedules: no job ---------------------------------------------------------------------------
+
+
+def tiny(*overrides: str):
+    return load_config(packaged_config("tiny"), ["replica.groups=2", *overrides])
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize(("count", "max_steps"), [(1, 6), (4, 20), (4, 40), (12, 300)])
+def test_random_replica_faults_fall_one_per_slice_min_gap_apart(
+    seed: int, count: int, max_steps: int
+) -> None:
+    cfg = tiny(f"train.max_steps={max_steps}")
+    faults = random_replica_schedule(seed, count, cfg)
+    assert faults == random_replica_schedule(seed, count, cfg)  # the same seed, the same schedule
+    assert len(faults) == count and all(f.kind in REPLICA_KINDS and f.at_time is None for f in faults)
+    width, _ = slices(max_steps, count)
+    for index, fault in enumerate(faults):
+        assert fault.at_step is not None and index * width < fault.at_step <= (index + 1) * width
+    steps = [f.at_step for f in faults]
+    assert all(b - a >= MIN_GAP for a, b in itertools.pairwise(steps))
+    validate_replica_schedule(faults, 2, max_steps)  # what the runner refuses, it never draws
+    for fault in faults:  # each parses back to itself, as an explicit --fault would
+        assert parse_replica_fault(fault.describe()) == fault
+
+
+def test_random_replica_schedules_draw_every_kind_and_stall_past_the_timeout() -> None:
+    cfg = tiny("train.max_steps=1000", "replica.collective_timeout=3s", "replica.heartbeat_timeout=1s")
+    faults = random_replica_schedule(5, 60, cfg)
+    assert {f.kind for f in faults} == set(REPLICA_KINDS)
+    assert random_replica_schedule(6, 60, cfg) != faults
+    stalls = [f.duration for f in faults if f.kind == "stall-replica"]
+    assert stalls and all(d is not None and 4.5 <= d <= 7.5 for d in stalls)  # 1.5 to 2.5 times 3 s
+    assert all(f.duration is None for f in faults if f.kind != "stall-replica")
+    only = random_replica_schedule(5, 4, cfg, ("kill-node",))
+    assert [f.kind for f in only] == ["kill-node"] * 4
+
+
+def test_nodes_are_killed_no_more_often_than_the_launcher_starts_a_group_again() -> None:
+    """All of them may hit one group: the launcher starts it again replica.max_group_restarts times."""
+    cfg = tiny("train.max_steps=400", "replica.max_group_restarts=2")
+    for seed in range(10):
+        faults = random_replica_schedule(seed, 20, cfg, ("kill-node", "kill-worker"))
+        assert sum(f.kind == "kill-node" for f in faults) <= 2
+        validate_replica_schedule(faults, 2, 400, max_group_restarts=2)
+    three = [parse_replica_fault(f"kill-node@step={step}") for step in (5, 10, 15)]
+    with pytest.raises(ValueError, match=r"3 kill-node faults.*replica\.max_group_restarts=2"):
+        validate_replica_schedule(three, 2, 400, max_group_restarts=2)
+    with pytest.raises(ValueError, match="max_group_restarts"):  # nothing else to draw: refused, not run
+        validate_replica_schedule(random_replica_schedule(1, 3, cfg, ("kill-node",)), 2, 400, 2)
+
+
+def test_a_job_too_short_for_its_random_replica_faults_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"3 per fault.*train\.max_steps=11"):
+        random_replica_schedule(1, 3, tiny("train.max_steps=11"))
+
+
+def test_chaos_schedule_prints_the_random_replica_schedule_run_would_inject(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["schedule", "--replicas", "2", "--seed", str(SEED), "--faults", "2", "--kinds", RANDOM_KINDS]
+    assert main([*argv, f"train.max_steps={RANDOM_STEPS}"]) == 0
+    printed = capsys.readouterr().out.split()
+    drawn = random_replica_schedule(
+        SEED, 2, tiny(f"train.max_steps={RANDOM_STEPS}"), ("kill-node", "kill-worker")
+    )
+    assert printed == [f.describe() for f in drawn]
+    assert [f.kind for f in drawn] == ["kill-node", "kill-worker"]  # what the run below relies on
 
 
 # ---- one scenario on a real job -------------------------------------------------------------------------
@@ -199,3 +285,53 @@ def test_groups_that_end_apart_fail_the_verdict(
             break
     verdict = verify_run(run)
     assert not verdict.checks["same_parameters"]["ok"] and not verdict.ok
+
+
+# ---- one random schedule on a real job ----------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_random_replica_schedule_with_a_node_killed_passes_verification(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """`--seed 6 --faults 2 --kinds kill-node,kill-worker` on a 12-step job: each drawn fault fires at its
+    step while every group is held there, the killed node's group is started again by the launcher and
+    heals, and the verdict holds."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "chaos", "run", "--replicas", "2", "--run-dir", str(run_dir), "--no-reference",
+        "--timeout", "300", "--seed", str(SEED), "--faults", "2", "--kinds", RANDOM_KINDS,
+        f"data.cache_dir={cache_dir}", f"train.max_steps={RANDOM_STEPS}", "checkpoint.every_steps=4",
+        "replica.collective_timeout=3s",
+    ]  # fmt: skip
+    # replica.quorum_timeout stays 30 s: the first group to start waits that long for the others before it
+    # trains alone, and a late one could not join it while it is held at the first fault (step 2 here).
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    drawn = [Fault(**row) for row in json.loads((run_dir / "chaos" / "schedule.json").read_text())]
+    assert drawn == random_replica_schedule(
+        SEED, 2, tiny(f"train.max_steps={RANDOM_STEPS}"), ("kill-node", "kill-worker")
+    )
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["ok"] and report["faults_injected"] == report["faults_requested"] == 2
+    assert all(row["verdict"] == "ok" for row in report["faults"]), report["faults"]
+    records = [json.loads(line) for line in (run_dir / "chaos" / "faults.jsonl").open()]
+    fired = [row for row in records if "fault" in row and "action" not in row]
+    assert [(row["fault"], row["step"]) for row in fired] == [(f.kind, f.at_step) for f in drawn]
+    events = read_events(run_dir)
+    for fault in drawn:  # injected while every group was held at its step
+        held = {
+            e["replica_group"]
+            for e in events
+            if e["event"] == "hold"
+            and e["hold"] == e["step"] == fault.at_step
+            and not e.get("heal")
+            and not e["released"]
+        }
+        assert held == {0, 1}, (fault, held)
+    node = fired[0]
+    assert node["agent"] in node["pids"] and len(node["pids"]) == 2  # the agent and its one worker
+    launcher = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").open()]
+    started = [r["pid"] for r in launcher if r["event"] == "group_started" and r["group"] == node["group"]]
+    assert started[0] == node["agent"] and len(started) == 2  # the killed agent, then its replacement
+    assert "started group" in report["faults"][0]["note"]

@@ -316,6 +316,44 @@ def test_a_whole_job_killed_and_started_again_resumes_from_its_checkpoint(
     assert len(set(digests.values())) == 1, digests
 
 
+def test_a_stopped_job_saves_where_it_stopped_and_resumes_there_losing_nothing(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The launcher SIGTERMed (preemption, Ctrl-C) while both groups are held after step 12, with no
+    checkpoint due before the end: it stops every group at once, each leaves at that step boundary, and
+    one commits step 12 (reason sigterm; the other finds it committed). A second `elastic-qa replicas`
+    resumes at 12 and no committed step is trained again."""
+    run_dir, holds = tmp_path / "run", tmp_path / "holds"
+    arm(holds, [12])
+    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
+    try:
+        for group in (0, 1):
+            wait_for(
+                run_dir, first, f"group {group} held at 12",
+                lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g,
+            )  # fmt: skip
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        release_all(holds)
+        if first.poll() is None:
+            first.kill()
+    events = read_events(run_dir)
+    stopping = [e for e in events if e.get("event") == "stopping"]
+    assert sorted(e["replica_group"] for e in stopping) == [0, 1] and {e["step"] for e in stopping} == {12}
+    saved = [e for e in events if e.get("event") == "checkpoint_committed"]
+    assert [(e["step"], e["reason"]) for e in saved] == [(12, "sigterm")], saved
+    second = start(run_dir, cache_dir)
+    assert finished(second) == 0, second.stdout.read() if second.stdout else ""
+    resumes = [e for e in read_events(run_dir) if e.get("event") == "resume"]
+    assert [e["step"] for e in resumes] == [12], resumes
+    verdict = ledger_verdict(run_dir, cache_dir)
+    assert verdict.ok, verdict.problems
+    assert verdict.discarded == 0, verdict
+    digests = final_digests(run_dir)
+    assert len(set(digests.values())) == 1, digests
+
+
 def pids_before(held: dict[int, dict]) -> set[int]:
     return {event["pid"] for event in held.values()}
 
