@@ -41,6 +41,7 @@ from tests.replica.test_replica_job import (
     MAX_STEPS,
     final_digests,
     finished,
+    held,
     ledger_verdict,
     overrides,
     start,
@@ -187,14 +188,6 @@ class Running:
     def wait(self, timeout: float) -> int | None:
         self.thread.join(timeout)
         return self.returncode
-
-
-def held(run_dir: Path, job: Any, step: int, groups: tuple[int, ...] = (0, 1)) -> None:
-    for group in groups:
-        wait_for(
-            run_dir, job, f"group {group} held at {step}",
-            lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g and e["step"] == step,
-        )  # fmt: skip
 
 
 def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, cache_dir: Path) -> None:

@@ -71,6 +71,15 @@ def wait_for(
     raise TimeoutError(f"no {what} in {run_dir}")
 
 
+def held(run_dir: Path, job: Any, step: int, groups: tuple[int, ...] = (0, 1)) -> None:
+    """Wait until every group of `groups` is held after `step` (elastic_qa/step_holds.py)."""
+    for group in groups:
+        wait_for(
+            run_dir, job, f"group {group} held at {step}",
+            lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g and e["step"] == step,
+        )  # fmt: skip
+
+
 def finished(job: subprocess.Popen) -> int:
     try:
         return job.wait(timeout=240)
@@ -290,11 +299,7 @@ def test_a_whole_job_killed_and_started_again_resumes_from_its_checkpoint(
     arm(holds, [12])
     first = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
     try:
-        for group in (0, 1):
-            wait_for(
-                run_dir, first, f"group {group} held at 12",
-                lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g,
-            )  # fmt: skip
+        held(run_dir, first, 12)
         wait_for(
             run_dir, first, "the checkpoint of step 10",
             lambda e: e.get("event") == "checkpoint_committed" and e.get("step") == 10,
@@ -327,11 +332,7 @@ def test_a_stopped_job_saves_where_it_stopped_and_resumes_there_losing_nothing(
     arm(holds, [12])
     first = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
     try:
-        for group in (0, 1):
-            wait_for(
-                run_dir, first, f"group {group} held at 12",
-                lambda e, g=group: e.get("event") == "hold" and e.get("replica_group") == g,
-            )  # fmt: skip
+        held(run_dir, first, 12)
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=120) == 128 + signal.SIGTERM
     finally:
