@@ -13,10 +13,7 @@ wrote a replica-mode step line), and the wall times its faults were injected. Fr
   live replica trains half the batch).
 - clean step time: the median interval between step n-1 and step n of the same group, leaving out the
   first WARMUP_STEPS steps of every group (a restarted process warming up), any interval that contains a
-  fault, and steps the job did not take whole: torchft with one live replica (half the global batch), the
-  replica mode with a group down (the whole batch, by the survivors alone). The clean pace is the job's
-  pace without faults: a survivor alone on this host has the cores of its lost peer too and steps faster
-  than the whole job, and counting its steps in the median made faster survivors look like lost time.
+  fault, and steps that trained less than the full global batch (torchft with one live replica).
 - effective training time: committed steps x clean step time / wall time, the fraction of the wall time
   that did useful work at the clean pace.
 - per fault: lost steps (sides that restore: a group that starts after the fault at step s discards what the
@@ -44,7 +41,6 @@ class Step:
     step: int  # step number in the job's lineage (after a restore: continues from the restored step)
     group: str  # the attempt or process that trained it
     weight: float = 1.0  # share of the global batch it trained
-    whole: bool = True  # taken by the whole job (every replica group): only such steps set the clean pace
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -76,7 +72,7 @@ def clean_step_time(steps: Sequence[Step], faults: Sequence[float]) -> float | N
     for rows in by_group.values():
         for index in range(WARMUP_STEPS + 1, len(rows)):
             before, after = rows[index - 1], rows[index]
-            if after.step != before.step + 1 or after.weight < 1.0 or not after.whole:
+            if after.step != before.step + 1 or after.weight < 1.0:
                 continue
             if any(before.ts <= fault <= after.ts for fault in faults):
                 continue

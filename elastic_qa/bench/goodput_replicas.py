@@ -117,10 +117,7 @@ class ReplicaSide:
             return self.events
 
     def steps(self) -> list[Step]:
-        return [
-            Step(row["ts"], int(row["step"]), f"pid-{row['pid']}", whole=row.get("participants") == GROUPS)
-            for row in self._of(Event.STEP)
-        ]
+        return [Step(row["ts"], int(row["step"]), f"pid-{row['pid']}") for row in self._of(Event.STEP)]
 
     def _of(self, event: str) -> list[dict[str, Any]]:
         return [row for row in self._read() if row.get("event") == event and "ts" in row]

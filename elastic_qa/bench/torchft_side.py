@@ -290,13 +290,7 @@ class TorchftSide:
     def steps(self) -> list[Step]:
         self.events.extend(row for row in self.follower.new_events() if row.get("event") == Event.STEP)
         return [
-            Step(
-                row["ts"],
-                row["step"],
-                f"pid-{row['pid']}",
-                row["participants"] / REPLICAS,
-                whole=row["participants"] == REPLICAS,
-            )
+            Step(row["ts"], row["step"], f"pid-{row['pid']}", row["participants"] / REPLICAS)
             for row in self.events
             if row["committed"]
         ]

@@ -95,16 +95,6 @@ def test_half_batch_steps_count_half_and_set_no_clean_pace() -> None:
     assert figures["lost_steps"]["per_fault"] == [0]
 
 
-def test_steps_of_survivors_alone_count_whole_and_set_no_clean_pace() -> None:
-    # The replica mode: a group down, the survivor trains the whole global batch alone, on this host with the
-    # lost peer's cores too (faster): its steps count, and the clean pace stays the whole job's.
-    steps = lineage("g0", 1, 10, 0.0) + [Step(9.0 + 0.25 * i, 10 + i, "g0", whole=False) for i in range(1, 9)]
-    figures = side_figures(steps, [9.1], lost=[0])
-    assert figures["committed_steps"] == 9 + 8
-    assert figures["clean_step_s"] == 1.0
-    assert figures["effective"] == pytest.approx(17 * 1.0 / 11.0)
-
-
 def test_too_few_steps_is_an_error() -> None:
     with pytest.raises(ValueError, match="too few"):
         side_figures([Step(0.0, 1, "a")], [])
