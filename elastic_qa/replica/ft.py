@@ -47,11 +47,19 @@ def require_torchft() -> None:
 
 # torchft's Lighthouse is its Rust extension alone, which links no libtorch: it is loaded here without the
 # torchft package, whose __init__ imports torch (2 s of CPU on an idle 2-core host, up to 15 s loaded, where
-# this takes 30 ms). argv: mode (serve: bind at once; standby: print `ready`, bind on reading `serve`), then
-# bind, min replicas, join timeout ms, quorum tick ms, heartbeat timeout ms.
-_LIGHTHOUSE = """import importlib.machinery, importlib.util, pathlib, signal, sys
+# this takes 30 ms), from the installed package only (the working directory is dropped from the path: a
+# `torchft` another user left there must not be found). argv: mode (serve: bind at once; standby: print
+# `ready`, bind on reading `serve`), then bind, min replicas, join timeout ms, quorum tick ms, heartbeat
+# timeout ms.
+_LIGHTHOUSE = """import sys
+if sys.path and sys.path[0] in ("", "."):  # `python -c` puts the working directory first: not trusted
+    del sys.path[0]
+import importlib.machinery, importlib.util, pathlib, signal
 package = importlib.util.find_spec("torchft")
-path = str(next(pathlib.Path(package.submodule_search_locations[0]).glob("_torchft.*.so")))
+folder = pathlib.Path(package.submodule_search_locations[0])
+# The build this interpreter would import (its own suffix), not any other that lies beside it.
+path = str(next(folder / f"_torchft{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                if (folder / f"_torchft{suffix}").is_file()))
 loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
 extension = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader, origin=path))
 loader.exec_module(extension)

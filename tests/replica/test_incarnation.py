@@ -77,13 +77,20 @@ def test_the_client_rewrites_only_the_quorum_id_and_passes_every_other_call_thro
 @pytest.mark.parametrize("standby", [False, True])
 def test_a_lighthouse_serves_without_importing_torch(tmp_path: Path, standby: bool) -> None:
     """The Lighthouse is torchft's Rust extension, loaded without the torchft package (whose import pulls in
-    torch: seconds of CPU on every start and restart): its process never maps libtorch, and it answers."""
+    torch: seconds of CPU on every start and restart): its process never maps libtorch, and it answers.
+    Started in a directory holding a `torchft` package of someone else's, it still loads the installed
+    one (the working directory is not on its path)."""
     pytest.importorskip("torchft")
+    planted = tmp_path / "torchft"
+    planted.mkdir()
+    (planted / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     command = lighthouse_command(port, ReplicaConfig(), "127.0.0.1", standby=standby)
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         if standby:
             assert process.stdout is not None and process.stdin is not None
@@ -99,7 +106,8 @@ def test_a_lighthouse_serves_without_importing_torch(tmp_path: Path, standby: bo
             assert time.monotonic() < deadline, "the Lighthouse did not listen"
             time.sleep(0.02)
         maps = Path(f"/proc/{process.pid}/maps").read_text()
-        assert "libtorch" not in maps and "_torchft" in maps
+        assert "libtorch" not in maps and "_torchft" in maps and str(planted) not in maps
+        assert not (tmp_path / "ran").exists()
     finally:
         process.kill()
         process.wait()
