@@ -100,7 +100,9 @@ if sys.argv[1] == "stopped":
 store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
 keep_alive = _PeriodicTimer(timedelta(0), store.compare_set, "keep-alive", "", "alive")  # held, as torch's is
 keep_alive.start()
-store.wait(["keep-alive"])  # the keep-alive is running
+# The keep-alive is running: waited for on a client of its own, since a wait on `store` would hold the
+# client the timer's calls go through (one call at a time) until the wait's timeout.
+TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60)).wait(["keep-alive"])
 raise SignalException("Process got signal: 15", sigval=signal.SIGTERM)
 """
 

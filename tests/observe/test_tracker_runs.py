@@ -23,7 +23,7 @@ from elastic_qa.config import Config, ConfigError, resolve_config
 from elastic_qa.observe.follow import read_events
 from elastic_qa.observe.trackers import check_installed
 from elastic_qa.observe.trackers.background import BackgroundTracker, TrackerRun
-from elastic_qa.observe.trackers.mlflow_run import RUN_TAG, MlflowRun
+from elastic_qa.observe.trackers.mlflow_run import RUN_TAG, MlflowRun, flat_params
 from elastic_qa.observe.trackers.wandb_run import WandbRun, offline_high_water, offline_history
 from tests.conftest import tiny_overrides
 
@@ -116,6 +116,26 @@ def test_a_second_start_continues_the_mlflow_run_and_skips_the_steps_it_holds(
     assert run.data.tags[RUN_TAG] == UUID and run.info.status == "KILLED"
     assert mlflow_steps(db, run.info.run_id, "loss") == list(range(1, 13))
     assert mlflow_steps(db, run.info.run_id, "eval_f1") == [5, 10]
+
+
+def test_a_start_after_one_killed_before_its_params_logs_the_params_that_are_missing(
+    tmp_path: Path, empty_store: Path
+) -> None:
+    # The first start created the tagged run, logged one param and was killed there (its tracker thread is
+    # behind the training loop: a kill at step 13 of a loaded machine has been seen to land before it).
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path / "mlflow.db"
+    uri = mlflow_store(empty_store, db)
+    cfg = tiny_config(tmp_path, f"log.mlflow.tracking_uri={uri}", "train.max_steps=9")
+    client = MlflowClient(f"sqlite:///{db}")
+    run = client.create_run(client.create_experiment("elastic-qa"), tags={RUN_TAG: UUID})
+    client.log_param(run.info.run_id, "train.max_steps", "7")  # the killed start's config said 7
+    logged_by(MlflowRun(cfg, UUID), range(1, 4))
+    (found,) = mlflow_runs(db)
+    # None left out, and the one the run held is unchanged.
+    assert found.data.params == {**flat_params(cfg.to_dict()), "train.max_steps": "7"}
+    assert mlflow_steps(db, found.info.run_id, "loss") == [1, 2, 3]
 
 
 def test_a_second_start_continues_the_wandb_offline_run_and_skips_the_steps_it_holds(

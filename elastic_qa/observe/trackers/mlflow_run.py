@@ -2,8 +2,9 @@
 
 The first start creates the run tagged `elastic_qa.run=<run uuid>` in one call (a crash cannot leave an
 untagged run behind), then logs the resolved config as its params; every later start searches the
-experiment for that tag and continues the run it finds. Its high-water mark per metric is the highest
-step of the metric's history, read back from the tracking store.
+experiment for that tag and continues the run it finds, logging the params a start killed before it had
+logged them all left out (those it holds stay as they are: MLflow's params cannot change). Its high-water
+mark per metric is the highest step of the metric's history, read back from the tracking store.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class MlflowRun:
         self.settings = cfg.log.mlflow
         self.run_uuid = run_uuid
         self.run_name = tracker_run_name(cfg)
-        self.params = _flat(cfg.to_dict())
+        self.params = flat_params(cfg.to_dict())
         self.client: Any = None
         self.run_id = ""
 
@@ -45,10 +46,11 @@ class MlflowRun:
         if not found:
             run = self.client.create_run(experiment, run_name=self.run_name, tags={RUN_TAG: self.run_uuid})
             self.run_id = run.info.run_id
-            self._log_params()
+            self._log_params(set())
             return {}
         self.run_id = found[0].info.run_id
         self.client.update_run(self.run_id, status="RUNNING")
+        self._log_params(set(found[0].data.params))
         return {
             key: max(metric.step for metric in self.client.get_metric_history(self.run_id, key))
             for key in found[0].data.metrics
@@ -79,20 +81,21 @@ class MlflowRun:
         except MlflowException:  # another run created it meanwhile
             return str(self.client.get_experiment_by_name(name).experiment_id)
 
-    def _log_params(self) -> None:
+    def _log_params(self, held: set[str]) -> None:
+        """The config's params the run does not hold yet (`held`: those it does)."""
         from mlflow.entities import Param
 
-        params = [Param(key, value) for key, value in self.params.items()]
+        params = [Param(key, value) for key, value in self.params.items() if key not in held]
         for start in range(0, len(params), _PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start : start + _PARAMS_PER_CALL])
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """The config as MLflow params: `train.max_steps` -> "40" (values cut to MLflow's length limit)."""
     flat: dict[str, str] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
+            flat.update(flat_params(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = str(value)[:_PARAM_CHARS]
     return flat
