@@ -34,7 +34,7 @@ from elastic_qa.config import resolve_config
 from elastic_qa.observe.follow import read_events
 from elastic_qa.replica.ft import lighthouse_command
 from elastic_qa.replica.launch import ReplicaJob
-from elastic_qa.replica.shares import Verdict
+from elastic_qa.replica.shares import Verdict, read_replica_ledger
 from elastic_qa.report.live import LiveRun
 from elastic_qa.step_holds import arm, release, release_all, release_heal
 from tests.replica.test_replica_job import (
@@ -227,8 +227,19 @@ def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, c
     alone = {e["replica_group"] for e in events if e.get("event") == "quorum" and e["step"] == 10}
     assert alone == {0, 1}  # both sides formed quorums after the partition
     verdict = check_the_end(run_dir, cache_dir)
-    assert verdict.discarded == 10, verdict  # the losing side's steps 11..20
+    # The losing side's steps 11..20, and any it committed alone after the release at 20 before the other
+    # side's quorum reached it (a loaded machine has seen it reach step 24 first): all of them discarded.
+    lost = sorted({
+        (row["lineage"], row["step"]) for row in read_replica_ledger(run_dir)
+        if row.get("kind") == "commit" and row.get("committed") is True
+        and row["lineage"] not in verdict.lineages
+    })  # fmt: skip
+    (loser,) = {lineage for lineage, _ in lost}
+    last = lost[-1][1]
+    assert [step for _, step in lost] == list(range(11, last + 1)) and last >= 20, lost
+    assert verdict.discarded == last - 10, verdict
     winner = verdict.segments[-2][0]  # the lineage that continues from step 10 in the final model
+    assert loser < winner  # the older lineage lost
     healed = [e for e in events if e.get("event") == "heal" and e["step"] >= 20]
     assert len(healed) == 1 and healed[0]["lineage"] >= winner, healed
     # The losing side's saves past step 10: refused by the fence, or discarded by the winner's first save.
@@ -242,7 +253,8 @@ def test_a_partition_trains_two_lineages_and_only_one_survives(tmp_path: Path, c
     assert replicas["groups"] == 2 and replicas["participants"] == 2 and replicas["heals"] >= 2
     assert replicas["lineage"] == verdict.lineages[0] and replicas["lineages"] >= 3
     texts = [row["text"] for row in state["timeline"]]
-    assert any("healed from a live peer: step 20 -> " in t for t in texts), texts
+    heal = f"healed from a live peer: step {healed[0]['from_step']} -> {healed[0]['step']}"
+    assert any(heal in t for t in texts), texts
     assert texts[0] == "replica group 0 worker started" or texts[0] == "replica group 1 worker started", texts
 
 
