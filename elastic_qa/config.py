@@ -552,8 +552,11 @@ class ReplicaConfig:
     --replicas` takes the --endpoint's (a different one here is refused)."""
     max_group_restarts: int = 10
     """A group whose torchrun agent died (its node lost, or out of torchrun's restarts of its workers) is
-    started again at most this often over the job (0: never); past it, the group stays down while the
-    others go on, and the launcher exits 1."""
+    started again at most this often in a row (0: never); past it, the group stays down while the others go
+    on, and the launcher exits 1. A group that ran for restarts_reset_after before it died counts from 0
+    again: a multi-day job losing a node now and then keeps it, a group that dies at every start does not."""
+    restarts_reset_after: timedelta = timedelta(minutes=10)
+    """How long a started group must run before its death no longer counts as one more restart in a row."""
 
     def __post_init__(self) -> None:
         _require(self.groups >= 1, "groups", self.groups, "must be >= 1")
@@ -562,7 +565,8 @@ class ReplicaConfig:
         _require(self.quorum_retries >= 0, "quorum_retries", self.quorum_retries, "must be >= 0")
         _require(self.max_group_restarts >= 0, "max_group_restarts", self.max_group_restarts, "must be >= 0")
         _require(0 <= self.lighthouse_port < 65536, "lighthouse_port", self.lighthouse_port, "is no port")
-        for name in ("heartbeat_timeout", "join_timeout", "quorum_timeout", "collective_timeout"):
+        timeouts = ("heartbeat_timeout", "join_timeout", "quorum_timeout", "collective_timeout")
+        for name in (*timeouts, "restarts_reset_after"):
             value = getattr(self, name)
             _require(value.total_seconds() > 0, name, format_duration(value), "must be > 0")
 

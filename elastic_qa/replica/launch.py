@@ -272,22 +272,29 @@ class ReplicaJob:
     def supervise_groups(self) -> dict[int, int]:
         """Wait for every group; start a group whose torchrun agent died (killed, or out of restarts) again,
         as a cluster scheduler would replace a lost node, unless the job is done (a group finished), the
-        group refused its input (exit 2), or it was started `replica.max_group_restarts` times already. The
+        group refused its input (exit 2), or it was started `replica.max_group_restarts` times in a row
+        already (a group that ran `replica.restarts_reset_after` before it died counts from 0 again). The
         started group holds no state: it heals from a live peer, or restores the newest checkpoint when none
         is left. Returns each group's last exit code."""
         codes: dict[int, int] = {}
         restarts = dict.fromkeys(self.groups, 0)
+        started = dict.fromkeys(self.groups, time.monotonic())
+        reset_after = self.cfg.replica.restarts_reset_after.total_seconds()
         while len(codes) < len(self.groups):
             for group, process in list(self.groups.items()):
                 code = process.poll()
                 if group in codes or code is None:
                     continue
-                self.record(Event.GROUP_EXIT, group=group, code=code)
+                ran_s = time.monotonic() - started[group]
+                if ran_s >= reset_after:
+                    restarts[group] = 0
+                self.record(Event.GROUP_EXIT, group=group, code=code, ran_s=round(ran_s, 3))
                 done = 0 in codes.values() or code in (0, EXIT_BAD_INPUT) or self.stopping.is_set()
                 if done or restarts[group] >= self.cfg.replica.max_group_restarts:
                     codes[group] = code
                 else:
                     restarts[group] += 1
+                    started[group] = time.monotonic()
                     self.groups[group] = self.start_group(group)
             self.stopping.wait(MONITOR_INTERVAL_S)
         return codes
