@@ -19,6 +19,13 @@ consistency, S3 and GCS are strongly consistent):
 Two claimants of N cannot both win: whichever listed first did so after its own write and before the
 other's write (else it would have seen it), so the other's listing, which comes after its own write, sees
 both claims. A number both claimants withdrew is never handed out; it still fences older attempts.
+
+Only the newest number counts (the fence, the next registration), so a winner deletes the claims more than
+KEPT_CLAIMS below its own: a run that regroups every few minutes for days (every fault a new attempt, in
+the replica mode a new lineage per quorum) would otherwise list thousands of claims at every save, a page
+per thousand on an object store. Deleting one cannot hand its number out again, nor let an older writer
+pass: both only ever compare against the newest. A registrant still trying a number that old (it lost 32
+races in a row) finds its claim gone and tries past the newest, as it would after a collision.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from elastic_qa.checkpoint.store import CheckpointStore
 # attempt-00000007.json (one claim per number, written by older versions) or attempt-00000007.<token>.json
 _CLAIM = re.compile(r"attempt-(\d{8,})(?:\.([0-9a-f]{16}))?\.json$")
 _MAX_TRIES = 64
+KEPT_CLAIMS = 32  # claims kept below the newest (older ones are deleted by the next winner)
 _jitter = random.Random()  # its own generator: the training RNG state must not move
 
 
@@ -79,6 +87,7 @@ class Fence:
             claims = self._claims()
             if claims.get(number) == {token}:
                 self.attempt = number
+                self._prune(claims, number - KEPT_CLAIMS)
                 return number
             # Someone else claimed this number too: withdraw (the number stays burnt) and go past everything
             # seen. A short random pause keeps two registrants from colliding on every number.
@@ -87,6 +96,14 @@ class Fence:
             number = max(claims, default=number) + 1
             time.sleep(_jitter.uniform(0.0, 0.02))
         raise FenceError(f"could not register an attempt in {self.directory} after {_MAX_TRIES} tries")
+
+    def _prune(self, claims: dict[int, set[str]], below: int) -> None:
+        """Delete the claims of numbers below `below` (best effort: one that stays is only listed again)."""
+        for number in sorted(n for n in claims if n < below):
+            for token in claims[number]:
+                name = f"attempt-{number:08d}.{token}.json" if token else f"attempt-{number:08d}.json"
+                with contextlib.suppress(OSError):
+                    self.store.fs.rm(f"{self.directory}/{name}")
 
     def check(self) -> None:
         """Raise StaleWriterError when a newer group has registered."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.checkpoint.backends import open_store
-from elastic_qa.checkpoint.fencing import Fence
+from elastic_qa.checkpoint.fencing import KEPT_CLAIMS, Fence
 from elastic_qa.checkpoint.store import StaleWriterError
 
 
@@ -75,3 +75,24 @@ def test_attempt_files_of_earlier_versions_still_count(tmp_path: Path) -> None:
     (attempts / "attempt-00000007.json").write_text('{"attempt": 7}')
 
     assert Fence(open_store(str(tmp_path / "ckpt"))).register(world_size=1) == 8
+
+
+def test_a_winner_deletes_the_claims_far_below_its_own_and_numbers_stay_unique_and_rising(
+    tmp_path: Path,
+) -> None:
+    """A run that regroups for days keeps a bounded attempts/ (a save lists it), and nothing changes for the
+    fence: older writers stay refused, the next number is still past every one handed out."""
+    attempts = tmp_path / "ckpt" / "attempts"
+    attempts.mkdir(parents=True)
+    (attempts / "attempt-00000001.json").write_text('{"attempt": 1}')  # an earlier version's claim
+    store = open_store(str(tmp_path / "ckpt"))
+    first = Fence(store)
+    numbers = [first.register(world_size=1)] + [
+        Fence(store).register(world_size=1) for _ in range(KEPT_CLAIMS + 20)
+    ]
+    assert numbers == list(range(2, KEPT_CLAIMS + 23))
+    kept = sorted(int(path.name[8:16]) for path in attempts.iterdir())
+    assert kept == list(range(numbers[-1] - KEPT_CLAIMS, numbers[-1] + 1))
+    with pytest.raises(StaleWriterError):
+        first.check()  # its claim is gone, and it is still refused
+    assert Fence(store).register(world_size=1) == numbers[-1] + 1
