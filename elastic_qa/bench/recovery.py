@@ -9,6 +9,13 @@ Goal: product / bare <= 1.5 for each case. `--compile` trains the product with t
 restarted workers load their graphs from the run's compile cache); `--no-compile-cache` adds
 train.compile_cache=false, for what a restart costs when every new worker compiles from nothing.
 
+`--replicas` adds the replica-group mode (`elastic-qa replicas`, 2 groups of one worker; torchft extra) for
+each case, after the product/bare pairs: one job whose groups are killed `--reps` times in turn (worker: a
+group's worker; node: its torchrun agent and worker, which the launcher starts again), as `bench replicas
+--target worker|node` does. Per kill: the survivors' next committed step, the killed group healed from the
+survivor, and its first step trained with the survivor again; that last figure against the bare side's
+first step (the torchrun floor of a restart) is the replica mode's own ratio.
+
 When the kill falls matters: a dead node is noticed once its last rendezvous heartbeat (every
 keep_alive_interval, from the agents' rendezvous on) is keep_alive_interval x max_attempt old, so recovery
 after a node loss varies by up to one heartbeat interval with the kill's phase. Killing "as soon as step N
@@ -71,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kill-after", type=positive_int, default=10, help="steps trained before the kill")
     parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for any phase")
+    parser.add_argument(
+        "--replicas", action="store_true", help="also the replica-group mode (extra torchft), per case"
+    )
     parser.add_argument("--compile", action="store_true", help="the product trains with train.compile=true")
     parser.add_argument(
         "--no-compile-cache",
@@ -78,6 +88,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compile: train.compile_cache=false, so that every new worker compiles from nothing",
     )
     return parser
+
+
+def replica_cases(args: argparse.Namespace, work: Path, cases: dict[str, Any]) -> None:
+    """The replica-group mode's figures per case (`bench replicas` with `--reps` kills), put in `cases`."""
+    from elastic_qa.bench import replicas
+
+    rows = []
+    for case in args.cases:
+        print(f"[recovery] replica mode: {args.reps} {case} kills ...", flush=True)
+        (directory := work / f"{case}-replicas").mkdir(parents=True, exist_ok=True)
+        settings = {"config": args.config, "overrides": args.overrides, "timeout": args.timeout}
+        measured = replicas.run(argparse.Namespace(**settings, faults=args.reps, target=case), directory)
+        figures = {key: measured[key] for key in ("survivor_s", "heal_s", "rejoin_s", "ledger")}
+        figures["rejoin_to_bare"] = (
+            measured["rejoin_s"]["median"] / cases[case]["bare"]["first_step_s"]["median"]
+        )
+        cases[case]["replicas"] = figures
+        rows.append([
+            case, show(figures["survivor_s"], ".2f"), show(figures["heal_s"], ".2f"),
+            show(figures["rejoin_s"], ".2f"), f"{figures['rejoin_to_bare']:.2f}",
+        ])  # fmt: skip
+    print_table(
+        ["case", "replicas: kill -> survivors' next step s", "kill -> healed s", "kill -> its first step s",
+         "first step / bare"],
+        rows,
+    )  # fmt: skip
 
 
 def compile_overrides(args: argparse.Namespace, work: Path) -> list[str]:
@@ -214,6 +250,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     for case in args.cases:
         print(goal_line(f"{case} kill product/bare", cases[case]["ratio"], GOAL, ".2f"))
+    if args.replicas:
+        replica_cases(args, work, cases)
     for case in args.cases:
         kills = [timeline(work / f"{case}-product-{rep}") for rep in range(args.reps)]
         cases[case]["product"]["timeline"] = medians([row for row in kills if row])
@@ -230,6 +268,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "reps": args.reps,
             "compile": args.compile,
             "compile_cache": args.compile and not args.no_compile_cache,
+            "replicas": args.replicas,
         },
         "cases": cases,
         "goal": GOAL,

@@ -13,6 +13,9 @@ healed and both groups have committed a step together again. Per fault, from the
 and the median step interval without faults. At the end the sample ledger is checked: every committed step
 by exactly one quorum, its shares exactly its global batch (no window repeated, none skipped).
 
+`--target node` SIGKILLs the group's torchrun agent, then its worker (a lost node): the launcher starts the
+group again, and its new worker heals from the survivor; the same three figures.
+
 `--target lighthouse` SIGKILLs the Lighthouse instead (the launcher starts it again at the same address);
 per fault: kill -> the first committed step, kill -> the Lighthouse started again, kill -> the first step
 committed by both groups; and the ledger's discarded steps (a restarted Lighthouse that gave each group a
@@ -51,6 +54,7 @@ from elastic_qa.prep import prepare
 from elastic_qa.replica.shares import read_replica_ledger, verify
 
 STEPS_BETWEEN = 10  # steps both groups commit together before the next kill
+TARGETS = ("worker", "node", "lighthouse")
 SECOND_ROW = {"heal_s": "kill -> healed", "restart_s": "kill -> Lighthouse started again"}
 
 
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(parser, "tiny")
     parser.add_argument("--faults", type=positive_int, default=10, help="kills (default 10)")
     parser.add_argument(
-        "--target", choices=("worker", "lighthouse"), default="worker", help="what each fault kills"
+        "--target", choices=TARGETS, default="worker", help="what each fault kills (default worker)"
     )
     parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for each recovery")
     return parser
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     overrides = [
         *args.overrides, f"run.dir={run_dir}", "train.max_steps=1000000", "log.every_steps=1",
         "log.console=none", "debug.sample_ledger=true", "model.dropout=0.0",
+        *([f"replica.max_group_restarts={args.faults}"] if args.target == "node" else []),
     ]  # fmt: skip
     cfg = resolve_config(args.config, overrides)
     windows = len(prepare(cfg, family_for(cfg.model)).train)  # built once, before the clock runs
@@ -169,9 +174,14 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                 for e in watch.events
                 if e.get("event") == Event.WORKER_START and e.get("replica_group") == group
             ]
-            victim = starts[-1]["pid"]
+            victims = [starts[-1]["pid"]]
+            if args.target == "node":  # the agent first, so that it starts no worker again
+                agents = [r for r in launcher_records(run_dir) if r.get("event") == Event.GROUP_STARTED]
+                victims.insert(0, [r for r in agents if r.get("group") == group][-1]["pid"])
             killed = time.time()
-            os.kill(victim, signal.SIGKILL)
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):  # the worker may end with its agent
+                    os.kill(pid, signal.SIGKILL)
             survivor = watch.until(
                 "a survivor's step", lambda e, t=killed: e.get("event") == Event.STEP and e["ts"] > t
             )

@@ -5,6 +5,7 @@ No timing assertions (the machine is shared and noisy): only that each figure ex
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from elastic_qa.bench.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.bench]
+REPLICAS = importlib.util.find_spec("torchft") is not None  # the replica-group mode's extra
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
@@ -169,12 +171,18 @@ def test_recovery(tmp_path: Path, cache_dir: Path) -> None:
         "worker",
         "--kill-after",
         "2",
+        *(["--replicas"] if REPLICAS else []),
         f"data.cache_dir={cache_dir}",
     )
     worker = result["cases"]["worker"]
     for variant in ("product", "bare"):
         assert positive(worker[variant]["first_step_s"]) and worker[variant]["new_world_size"] == 2
     assert worker["ratio"] > 0
+    if REPLICAS:  # the replica mode's kill: survivors step first, the killed group heals, then trains again
+        replicas = worker["replicas"]
+        assert replicas["survivor_s"]["median"] < replicas["rejoin_s"]["median"]
+        assert replicas["heal_s"]["median"] <= replicas["rejoin_s"]["median"]
+        assert replicas["ledger"]["ok"] and replicas["rejoin_to_bare"] > 0
     # Where the product's seconds went: the survivor's side, the new process's birth, its start-up phases.
     timeline = worker["product"]["timeline"]
     assert 0 < timeline["noticed"] <= timeline["saved"] < timeline["born"] < timeline["first_step_at"]
@@ -301,10 +309,19 @@ def test_resume_reps_each_start_their_own_run_from_the_moved_copy(tmp_path: Path
     assert len(result["positions"]["50%"]["first_step_s"]["values"]) == 2
 
 
-def test_replicas_kills_each_group_once_and_the_ledger_holds(tmp_path: Path, cache_dir: Path) -> None:
+@pytest.mark.parametrize("target", ["worker", "node"])
+def test_replicas_kills_each_group_once_and_the_ledger_holds(
+    tmp_path: Path, cache_dir: Path, target: str
+) -> None:
     pytest.importorskip("torchft")
-    result = bench(tmp_path, "replicas", "--faults", "2", "--config", "tiny", f"data.cache_dir={cache_dir}")
-    assert result["faults"] == 2 and len(result["per_fault"]) == 2
+    argv = ("replicas", "--faults", "2", "--target", target, "--config", "tiny")
+    result = bench(tmp_path, *argv, f"data.cache_dir={cache_dir}")
+    assert result["target"] == target and result["faults"] == 2 and len(result["per_fault"]) == 2
+    if target == "node":  # the launcher started each group again once: a new torchrun agent
+        records = [
+            json.loads(line) for line in (tmp_path / "work" / "run" / "agents" / "replicas.jsonl").open()
+        ]
+        assert sorted(r["group"] for r in records if r["event"] == "group_started") == [0, 0, 1, 1]
     for name in ("survivor_s", "heal_s", "rejoin_s"):
         assert positive(result[name])
     for fault in result["per_fault"]:  # the survivors step before the killed group is back
