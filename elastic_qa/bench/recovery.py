@@ -180,12 +180,14 @@ def measure(variant: str, case: str, args: argparse.Namespace, run_dir: Path, ph
 def new_group_events(
     follower: LogFollower, before: set[int], killed: float, timeout: float, what: str
 ) -> tuple[list[AttemptStartRecord], list[StepProgressRecord]]:
-    """worker_start and step events of processes that did not exist before the kill, until the first step."""
+    """worker_start and step events of processes that did not exist before the kill, until the first step.
+    A new rank 0 also writes the step lines the old one had in flight (`recovered`, with the time they were
+    trained, which can fall just after the kill): those are not the new group's."""
     starts: list[AttemptStartRecord] = []
     steps: list[StepProgressRecord] = []
     while not steps:
         for row in follower.new_events():
-            if row.get("pid") in before or row.get("ts", 0) < killed:
+            if row.get("pid") in before or row.get("ts", 0) < killed or row.get("recovered"):
                 continue
             if (start := record(row, AttemptStartRecord)) is not None:
                 starts.append(start)
