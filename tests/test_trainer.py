@@ -42,10 +42,15 @@ def final_params(run_dir: Path, cache: Path) -> dict[str, torch.Tensor]:
     return params
 
 
+# Dropout on in the runs compared with `uninterrupted`: a resume must reproduce the dropout masks too, and
+# the run that evaluates every 10 steps has this run (no evaluation before the end) to compare with.
+DROPOUT = "model.dropout=0.1"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, torch.Tensor]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    train(run_dir, cache_dir)
+    train(run_dir, cache_dir, DROPOUT, "train.eval_every=0")
     return final_params(run_dir, cache_dir)
 
 
@@ -58,12 +63,13 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(
     train(
         tmp_path,
         cache_dir,
+        DROPOUT,
         "checkpoint.every_steps=10",
         "checkpoint.async=false",
         "debug.kill_at_step=25",
         expect=-signal.SIGKILL,
     )
-    train(tmp_path, cache_dir, "checkpoint.every_steps=10")
+    train(tmp_path, cache_dir, DROPOUT, "checkpoint.every_steps=10")
     resumes = [e for e in read_events(tmp_path) if e["event"] == "resume"]
     assert [r["step"] for r in resumes] == [20]
     assert resumes[0]["cursor"] == 20 * 16
@@ -72,15 +78,15 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(
 
 
 def test_the_steps_after_an_evaluation_train_with_dropout_as_if_it_had_not_run(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, cache_dir: Path, uninterrupted: dict
 ) -> None:
     """Evaluation puts the model in eval mode (dropout off); training must come back to train mode, so a
-    run that evaluates every 10 steps ends with the parameters of one that evaluates only at the end."""
-    evaluating, quiet = tmp_path / "evaluating", tmp_path / "quiet"
-    train(evaluating, cache_dir, "model.dropout=0.1", "train.eval_every=10")
-    train(quiet, cache_dir, "model.dropout=0.1", "train.eval_every=0")
+    run that evaluates every 10 steps ends with the parameters of one that evaluates only at the end (the
+    `uninterrupted` run: the same dropout, eval_every=0)."""
+    evaluating = tmp_path / "evaluating"
+    train(evaluating, cache_dir, DROPOUT, "train.eval_every=10")
     assert [e["step"] for e in read_events(evaluating) if e["event"] == "eval"][:3] == [10, 20, 30]
-    diff = parameter_difference(final_params(evaluating, cache_dir), final_params(quiet, cache_dir))
+    diff = parameter_difference(final_params(evaluating, cache_dir), uninterrupted)
     assert diff["bitwise_equal"], diff
 
 
@@ -88,7 +94,7 @@ def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
     tmp_path: Path, cache_dir: Path, uninterrupted: dict
 ) -> None:
     process = subprocess.Popen(
-        train_command(tmp_path, cache_dir, "debug.step_delay=100ms", "log.every_steps=1"),
+        train_command(tmp_path, cache_dir, DROPOUT, "debug.step_delay=100ms", "log.every_steps=1"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -105,7 +111,7 @@ def test_sigterm_saves_the_last_completed_step_and_resume_is_exact(
     last_step = max(e["step"] for e in events if e["event"] == "step")
     saved = [e for e in events if e["event"] == "checkpoint_committed"]
     assert [e["reason"] for e in saved] == ["sigterm"] and saved[0]["step"] == last_step  # 0 lost steps
-    train(tmp_path, cache_dir)
+    train(tmp_path, cache_dir, DROPOUT)
     diff = parameter_difference(final_params(tmp_path, cache_dir), uninterrupted)
     assert diff["bitwise_equal"], diff
 

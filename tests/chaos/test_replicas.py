@@ -28,11 +28,13 @@ from elastic_qa.observe.follow import read_events
 
 FAULTS = [
     "kill-worker@step=4",
-    "kill-lighthouse@step=8",
-    "stall-replica@step=12,for=4s",  # past the collective timeout below: the other group moves on
-    "kill-during-heal@step=16",
+    "kill-node@step=8",  # a group's torchrun agent and its worker at once: the launcher starts it again
+    "kill-lighthouse@step=12",
+    "stall-replica@step=16,for=4s",  # past the collective timeout below: the other group moves on
+    "kill-during-heal@step=20",
 ]
-MAX_STEPS = 20
+MAX_STEPS = 20  # of the schedules refused below
+SCENARIO_STEPS = 24  # 3 steps per fault after the last
 # The random schedule run on a real job: seed SEED draws both kinds, kill-node at step 2 (a group's torchrun
 # agent and its worker killed at once, the group started again by the launcher), then kill-worker at 5.
 SEED, RANDOM_KINDS, RANDOM_STEPS = 6, "kill-node,kill-worker", 12
@@ -182,12 +184,12 @@ def test_chaos_schedule_prints_the_random_replica_schedule_run_would_inject(
 def scenario(
     tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> tuple[Path, subprocess.CompletedProcess]:
-    """The four faults of this mode on a 20-step job of two groups: `python -m chaos run --replicas 2`."""
+    """Every fault kind of this mode on a 24-step job of two groups: `python -m chaos run --replicas 2`."""
     run_dir = tmp_path_factory.mktemp("chaos-replicas") / "run"
     command = [
         sys.executable, "-m", "chaos", "run", "--replicas", "2", "--run-dir", str(run_dir), "--no-reference",
         "--timeout", "500", *[arg for fault in FAULTS for arg in ("--fault", fault)],
-        f"data.cache_dir={cache_dir}", f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=4",
+        f"data.cache_dir={cache_dir}", f"train.max_steps={SCENARIO_STEPS}", "checkpoint.every_steps=4",
         "replica.collective_timeout=3s", "replica.quorum_timeout=5s",
     ]  # fmt: skip
     return run_dir, subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -229,6 +231,13 @@ def test_a_replica_scenario_with_every_fault_kind_passes_verification(
         for e in events
     )
     assert [r["group"] for r in records if r.get("action") == "thawed"] == [fired["stall-replica"]["group"]]
+    # The killed node: its agent and its one worker, then the launcher's replacement for its group.
+    node = fired["kill-node"]
+    assert node["agent"] in node["pids"] and len(node["pids"]) == 2
+    launcher = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").open()]
+    started = [r["pid"] for r in launcher if r["event"] == "group_started" and r["group"] == node["group"]]
+    assert started[0] == node["agent"] and len(started) == 2  # the killed agent, then its replacement
+    assert "started group" in report["faults"][FAULTS.index("kill-node@step=8")]["note"]
 
 
 @pytest.mark.integration
@@ -290,6 +299,10 @@ def test_groups_that_end_apart_fail_the_verdict(
 # ---- one random schedule on a real job ----------------------------------------------------------------
 
 
+# make test-long only: the scenario above (test_a_replica_scenario_with_every_fault_kind_passes_verification)
+# kills a node on a real job with the same checks, and test_chaos_schedule_prints_the_random_replica_schedule_
+# run_would_inject checks the random draw; this one costs a second real chaos run.
+@pytest.mark.long
 @pytest.mark.integration
 def test_a_random_replica_schedule_with_a_node_killed_passes_verification(
     tmp_path: Path, cache_dir: Path

@@ -78,7 +78,7 @@ def test_resume_from_starts_from_that_state_writes_its_own_and_leaves_the_source
 ) -> None:
     before = snapshot(first)
     # The reference: the first run itself carried on to step 60 (in a copy: a run directory moved or
-    # copied as a whole is still that run).
+    # copied as a whole is still that run; restarted, `make run` again on the same run.dir, it resumes).
     reference = tmp_path / "reference"
     shutil.copytree(first, reference, symlinks=True)
     trained_ok(reference, cache_dir, "train.max_steps=60")
@@ -111,15 +111,14 @@ def test_resume_from_starts_from_that_state_writes_its_own_and_leaves_the_source
     for run_dir in (first, reference, forked, one):
         assert cli_main(["ckpt", "verify", str(run_dir)]) == 0
 
+    # The same run's checkpoints written before run records (this was a test of its own, which first
+    # restarted a copy of the run as the reference above does: one training start less).
+    assert_checkpoints_from_before_run_records_resume(reference, tmp_path, cache_dir)
 
-def test_the_same_run_restarted_resumes_and_so_do_checkpoints_from_before_run_records(
-    first: Path, tmp_path: Path, cache_dir: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    shutil.copytree(first, run_dir, symlinks=True)
-    trained_ok(run_dir, cache_dir, "train.max_steps=50")  # `make run` again, same run.dir
-    assert [e["step"] for e in events(run_dir, "resume")] == [40]
-    # Written before run records: no run.json, manifests without "run". Resumed and adopted.
+
+def assert_checkpoints_from_before_run_records_resume(run_dir: Path, tmp_path: Path, cache_dir: Path) -> None:
+    """`run_dir`, a run at step 60, with its checkpoints as written before run records: no run.json,
+    manifests without "run". Resumed and adopted, but not by another run directory."""
     checkpoints = run_dir / "checkpoints"
     (checkpoints / RUN_RECORD).unlink()
     for name in steps(checkpoints):
@@ -131,15 +130,15 @@ def test_the_same_run_restarted_resumes_and_so_do_checkpoints_from_before_run_re
     other = tmp_path / "other"
     other.mkdir()
     (other / "checkpoints").symlink_to(checkpoints)
-    refused = train(other, cache_dir, "train.max_steps=60")
+    refused = train(other, cache_dir, "train.max_steps=70")
     assert refused.returncode == 2 and "holds the checkpoints of another run" in refused.stderr
     assert snapshot(run_dir) == legacy
-    trained_ok(run_dir, cache_dir, "train.max_steps=60")
-    assert [e["step"] for e in events(run_dir, "resume")][-1] == 50
+    trained_ok(run_dir, cache_dir, "train.max_steps=70")
+    assert [e["step"] for e in events(run_dir, "resume")][-1] == 60
     assert [e["run_dir"] for e in events(run_dir, "checkpoint_run_adopted")] == [str(run_dir.resolve())]
     record = read_record(open_store(str(checkpoints)))
     assert record is not None and record.run_dir == str(run_dir.resolve())
-    assert json.loads((checkpoints / "step-00000060" / MANIFEST).read_text())["run"] == record.run
+    assert json.loads((checkpoints / "step-00000070" / MANIFEST).read_text())["run"] == record.run
 
 
 def test_a_regroup_or_another_host_of_the_same_torchrun_job_belongs_to_the_run(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ dropout. The RoBERTa runs (no token types) train with dropout off across a chang
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +31,8 @@ pytestmark = pytest.mark.integration
 STEPS = 30
 
 
-def hf_job(run_dir: Path, cache: Path, model_dir: Path, *extra: str, agents: int = 2) -> Job:
-    overrides = [
+def hf_overrides(cache: Path, model_dir: Path, *extra: str) -> list[str]:
+    return [
         f"data.cache_dir={cache}",
         f"model.name_or_path={model_dir}",
         f"train.max_steps={STEPS}",
@@ -41,7 +43,10 @@ def hf_job(run_dir: Path, cache: Path, model_dir: Path, *extra: str, agents: int
         "checkpoint.every_steps=10",
         *extra,
     ]
-    job = Job(run_dir, "hf-tiny", overrides, agents=agents)
+
+
+def hf_job(run_dir: Path, cache: Path, model_dir: Path, *extra: str, agents: int = 2) -> Job:
+    job = Job(run_dir, "hf-tiny", hf_overrides(cache, model_dir, *extra), agents=agents)
     job.start()
     return job
 
@@ -80,10 +85,25 @@ def test_a_killed_worker_of_an_hf_model_with_dropout_resumes_bitwise(
     assert frozen and frozen[0]["count"] == 4  # 2 key biases, the QA bias, the last LayerNorm bias
 
 
+def fault_free_in_one_process(
+    run_dir: Path, cache: Path, model_dir: Path, *extra: str
+) -> dict[str, torch.Tensor]:
+    """The same training without torchrun, one process (world size 1): with dropout off the trajectory
+    does not depend on the world size, so a job that changes it must match this within 1e-4, as it must a
+    fault-free torchrun job's, which costs a launcher, two agents and their workers more."""
+    overrides = [f"run.dir={run_dir}", *hf_overrides(cache, model_dir, *extra)]
+    command = [sys.executable, "-m", "elastic_qa.train", "--config", "hf-tiny", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return checked_final_parameters(run_dir, STEPS)
+
+
 def test_an_agent_joining_an_hf_run_grows_the_world_and_matches_the_fault_free_run(
     tmp_path: Path, cache_dir: Path, hf_models: dict
 ) -> None:
-    reference = fault_free(tmp_path / "reference", cache_dir, hf_models["roberta"], "model.dropout=0.0")
+    reference = fault_free_in_one_process(
+        tmp_path / "reference", cache_dir, hf_models["roberta"], "model.dropout=0.0"
+    )
     run_dir = tmp_path / "run"
     hold, hold_dir = held_at(run_dir, 2)
     job = hf_job(run_dir, cache_dir, hf_models["roberta"], "model.dropout=0.0", hold, agents=1)

@@ -36,7 +36,9 @@ from tests.integration.test_elastic import finish
 transformers = pytest.importorskip("transformers")
 
 SQUAD = Path(__file__).resolve().parents[1] / "fixtures" / "squad-v2-dev-normans.json"
-STEPS = 30
+# Rank 0's losses measured in a 30-step run: mean 4.68 over steps 1-5, 2.21 over 16-20, 1.83 over 26-30.
+# 20 steps still clear the 1-nat fall below by 1.5 nats, at two thirds of the training.
+STEPS = 20
 MAX_LEN, STRIDE = 128, 32
 
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic_qa.chaos.evidence import run_config
 from elastic_qa.chaos.job import Job
 from elastic_qa.checkpoint.backends import open_store
+from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.observe.follow import read_events
 
 pytestmark = pytest.mark.integration
@@ -82,7 +84,7 @@ def test_a_trainer_started_by_hand_on_a_live_run_is_refused_and_the_job_trains_t
     assert not list((run_dir / "checkpoints" / "holders").iterdir())  # done: the hold is released
 
 
-def test_a_start_after_the_holding_job_was_killed_resumes_its_checkpoint(
+def test_a_start_after_the_holding_job_was_killed_resumes_its_checkpoint_once_its_node_copy_is_removed(
     tmp_path: Path, cache_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
@@ -101,6 +103,16 @@ def test_a_start_after_the_holding_job_was_killed_resumes_its_checkpoint(
         job.kill_everything()  # SIGKILL: its hold stays behind, naming processes that no longer run
     assert list((run_dir / "checkpoints" / "holders").glob("*.json"))
     saved = store.list_steps()[-1].step
+    # Killed, no worker removed its copy from node memory: remove_node_local_copy does (a benchmark's job
+    # ends this way), and leaves the durable checkpoints to the start below.
+    copy = NodeLocalCopy.for_run(run_config(run_dir))
+    assert copy is not None
+    directory = Path(copy.directory)
+    assert list(directory.glob("step-*/manifest.json")), "the job's copy in node memory, before the removal"
+    job.remove_node_local_copy()
+    assert not directory.exists() and not Path(copy.lock_path).exists()
+    assert [info.step for info in store.list_steps()][-1] == saved  # durable checkpoints untouched
+    job.remove_node_local_copy()  # twice: nothing left to do
 
     resumed = by_hand(run_dir, cache_dir, f"train.max_steps={saved + 3}")
     _, err = resumed.communicate(timeout=300)

@@ -9,20 +9,22 @@ from pathlib import Path
 import pytest
 
 from elastic_qa.observe.follow import read_events
-from tests.integration.test_elastic import MAX_STEPS, finish, held_at, join_while_held, run_job, world_sizes
-from tests.observe.test_tracker_runs import empty_store, mlflow_runs, mlflow_steps, mlflow_store
+from tests.integration.test_elastic import (
+    MAX_STEPS,
+    finish,
+    held_at,
+    join_while_held,
+    mlflow_series,
+    run_job,
+    world_sizes,
+)
+from tests.observe.test_tracker_runs import empty_store, mlflow_runs, mlflow_store
 
 pytestmark = pytest.mark.integration
 __all__ = ["empty_store"]  # the fixture, used by name
 
 
-def mlflow_series(db: Path) -> dict[str, list[int]]:
-    (run,) = mlflow_runs(db)
-    assert run.info.status == "FINISHED"
-    return {metric: mlflow_steps(db, run.info.run_id, metric) for metric in ("loss", "world_size")}
-
-
-@pytest.mark.long  # the join below covers a regroup in the default run
+@pytest.mark.long  # a regroup's MLflow run in the default run: the join and leave in test_elastic.py
 def test_rank_0_killed_under_torchrun_continues_the_mlflow_run_with_every_step_once(
     tmp_path: Path, cache_dir: Path, empty_store: Path
 ) -> None:
@@ -41,6 +43,10 @@ def test_rank_0_killed_under_torchrun_continues_the_mlflow_run_with_every_step_o
     assert series["loss"] == series["world_size"] == list(range(1, MAX_STEPS + 1))
 
 
+# Long: the same join with the same MLflow checks, three more regroups and the sample ledger on top, is
+# test_a_node_lost_an_orphaned_worker_a_join_and_a_sigterm_regroup_the_job_without_losing_a_step
+# (test_elastic.py).
+@pytest.mark.long
 def test_an_agent_joining_continues_the_mlflow_run_with_every_step_once(
     tmp_path: Path, cache_dir: Path, empty_store: Path
 ) -> None:

@@ -31,9 +31,11 @@ def freezes(run_dir: Path) -> list[dict]:
     return [event for event in read_events(run_dir) if event["event"] == "frozen_parameters"]
 
 
-def test_a_restart_takes_the_answer_from_the_checkpoint_instead_of_probing(
+def test_a_restart_takes_the_answer_from_the_checkpoint_and_another_model_setting_probes_again(
     tmp_path: Path, cache_dir: Path, hf_models: dict[str, Path]
 ) -> None:
+    # One run and two restarts of it (these were two tests, each starting the same first run): the same
+    # model takes the checkpoint's answer, another model setting probes again.
     hf_run(tmp_path, cache_dir, hf_models["bert"])
     hf_run(tmp_path, cache_dir, hf_models["bert"], "train.max_steps=5")
     first, restart = freezes(tmp_path)
@@ -48,13 +50,8 @@ def test_a_restart_takes_the_answer_from_the_checkpoint_instead_of_probing(
     steps = [event["step"] for event in read_events(tmp_path) if event["event"] == "step"]
     assert steps[-1] == 5
 
-
-def test_another_model_setting_probes_again(
-    tmp_path: Path, cache_dir: Path, hf_models: dict[str, Path]
-) -> None:
-    hf_run(tmp_path, cache_dir, hf_models["bert"])
-    hf_run(tmp_path, cache_dir, hf_models["bert"], "train.max_steps=5", "model.dropout=0.0")
-    assert [event["source"] for event in freezes(tmp_path)] == ["probe", "probe"]
+    hf_run(tmp_path, cache_dir, hf_models["bert"], "train.max_steps=7", "model.dropout=0.0")
+    assert [event["source"] for event in freezes(tmp_path)] == ["probe", "checkpoint", "probe"]
 
 
 def test_a_stored_answer_counts_only_for_the_model_it_was_found_on(

@@ -27,23 +27,30 @@ def committed_steps(run_dir: Path) -> list[int]:
     return [info.step for info in store.list_steps() if store.verify(info.path).ok]
 
 
-def test_a_run_whose_log_file_is_on_a_full_disk_trains_to_the_end_and_commits(
+def test_a_run_whose_log_file_is_on_a_full_disk_and_whose_stdout_reader_went_away_trains_to_the_end(
     tmp_path: Path, cache_dir: Path
 ) -> None:
+    """Both faults on one run (two tests of one run each before: a start costs seconds of CPU): every write
+    of the worker's own log file fails (ENOSPC) and every console line meets EPIPE, and it commits."""
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     # The worker's own log file is /dev/full (every write fails with ENOSPC): `exec` keeps the pid that
     # names the file.
     name = f"rank-000.{file_safe(node_name())}.pid-$$.jsonl"
     script = f'ln -s /dev/full "{run_dir}/logs/{name}" && exec "$@"'
-    result = subprocess.run(
-        ["sh", "-c", script, "sh", *command(run_dir, cache_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    worker = subprocess.Popen(
+        ["sh", "-c", script, "sh", *command(run_dir, cache_dir, "log.console=plain")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    worker.stdout.close()  # `train | head -0`: every console line now meets EPIPE
+    try:
+        _, stderr = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, stderr.decode()[-2000:]
     assert committed_steps(run_dir) == [STEPS]
+    assert (run_dir / "logs" / name.replace("$$", str(worker.pid))).resolve() == Path("/dev/full")
 
 
 def test_the_log_fault_file_from_step_5_to_the_end_costs_no_training(tmp_path: Path, cache_dir: Path) -> None:
@@ -69,21 +76,3 @@ def test_the_log_fault_file_from_step_5_to_the_end_costs_no_training(tmp_path: P
     (log,) = (run_dir / "logs").glob("*.jsonl")
     steps = [json.loads(text) for text in log.read_text().splitlines()]  # whole lines only
     assert max(e["step"] for e in steps if e["event"] == "step") < STEPS  # the fault did hit the log
-
-
-def test_a_run_whose_stdout_reader_went_away_trains_to_the_end_and_commits(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    worker = subprocess.Popen(
-        command(run_dir, cache_dir, "log.console=plain"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    worker.stdout.close()  # `train | head -0`: every console line now meets EPIPE
-    try:
-        _, stderr = worker.communicate(timeout=120)
-    finally:
-        worker.kill()
-    assert worker.returncode == 0, stderr.decode()[-2000:]
-    assert committed_steps(run_dir) == [STEPS]

@@ -123,6 +123,9 @@ def final_checkpoint(run_dir: Path, step: int) -> dict:
     return manifest
 
 
+# Long: the chaos tool's test below starts the same installed launcher (`python -m elastic_qa.launcher.local
+# start --agents 2`, the venv's python) and checks the same result line and final checkpoint, one kill on top.
+@pytest.mark.long
 def test_the_installed_launcher_trains_a_two_agent_job_to_its_final_checkpoint(
     venv: tuple[Path, dict[str, str]], tmp_path: Path, cache_dir: Path
 ) -> None:
@@ -144,4 +147,6 @@ def test_the_installed_chaos_tool_passes_a_one_fault_scenario(
     run([*command, *overrides], tmp_path, env, 240)
     report = json.loads((tmp_path / "run" / "chaos" / "report.json").read_text())
     assert report["ok"] and [row["verdict"] for row in report["faults"]] == ["ok"]
-    final_checkpoint(tmp_path / "run", MAX_STEPS)
+    # The job it ran is the installed launcher's: its result line, and a final checkpoint of two agents.
+    assert f"result: step {MAX_STEPS}" in (tmp_path / "run" / "chaos" / "launcher.log").read_text()
+    assert final_checkpoint(tmp_path / "run", MAX_STEPS)["world_size"] == 2

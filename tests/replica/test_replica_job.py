@@ -1,10 +1,11 @@
-"""The replica-group mode end to end: a real Lighthouse, one real torchrun job per group, a real SIGKILL.
+"""The replica-group mode end to end: a real Lighthouse, one real torchrun job per group, real SIGKILLs.
 
-Holds (elastic_qa/step_holds.py) pin the fault to its step however slow the machine: every group waits
-after step 5 until the test has killed group 1's worker, and after step 30 until the restarted group has
-asked for a quorum and found itself behind the job. What is asserted is state: the ledger (every step
-committed by exactly one quorum whose shares are its global batch), the survivors' steps while group 1 was
-down, the heal, and the groups' parameters at the end (bitwise equal).
+Holds (elastic_qa/step_holds.py) pin each fault to its step however slow the machine: every group waits
+after the fault's step until the test has killed its victim, and the survivor a few steps later until the
+restarted group is back. What is asserted is state: the ledger (every step committed by exactly one quorum
+whose shares are its global batch), the survivors' steps while a group was down, the heals, and the groups'
+parameters at the end (bitwise equal). The whole-job faults (killed, stopped, no quorum) are in
+test_faults.py.
 """
 
 from __future__ import annotations
@@ -105,35 +106,8 @@ def final_digests(run_dir: Path) -> dict[int, str]:
     return {e["replica_group"]: e["params_sha256"] for e in done}
 
 
-def test_two_groups_train_every_window_once_and_end_bitwise_equal(tmp_path: Path, cache_dir: Path) -> None:
-    run_dir = tmp_path / "run"
-    job = start(run_dir, cache_dir)
-    assert finished(job) == 0, job.stdout.read() if job.stdout else ""
-    check_ledger(run_dir, cache_dir)
-    digests = final_digests(run_dir)
-    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
-
-
 def step_losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in read_events(run_dir) if e.get("event") == "step"}
-
-
-def test_groups_of_two_workers_split_the_same_batches_and_log_the_whole_batchs_loss(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    """2 groups of 2 workers (DDP inside each group): every window once over the 4 workers, the groups end
-    bitwise equal, and each step line's loss is the whole global batch's, as with one worker per group (the
-    same weights at step 1, so the same loss but for the order of the float sums)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    job = start(two, cache_dir, "replica.nproc_per_group=2", "train.max_steps=12")
-    assert finished(job) == 0, job.stdout.read() if job.stdout else ""
-    verdict = ledger_verdict(two, cache_dir, steps=12, workers=2)
-    assert verdict.ok, verdict.problems
-    done = [e for e in read_events(two) if e.get("event") == "train_done"]
-    assert len(done) == 4 and len({e["params_sha256"] for e in done}) == 1, done
-    job = start(one, cache_dir, "train.max_steps=2")
-    assert finished(job) == 0, job.stdout.read() if job.stdout else ""
-    assert step_losses(two)[1] == pytest.approx(step_losses(one)[1], rel=1e-5)
 
 
 def final_parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -144,31 +118,60 @@ def final_parameters(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
     tmp_path: Path, cache_dir: Path
 ) -> None:
-    """Group 1's worker killed after step 50, group 0's after step 120: each step's global batch is the same
-    windows whoever trains it, so the model differs from a fault-free run's only by the order of the float
-    sums (one participant or two)."""
+    """Group 1 lost after step 50 (its torchrun agent and worker killed: the survivor trains on alone, the
+    launcher starts the group again and it heals from the survivor), group 0's worker killed after step 120
+    (torchrun restarts it; it heals from its peer): each step's global batch is the same windows whoever
+    trains it, so the model differs from a fault-free run's only by the order of the float sums (one
+    participant or two; one worker per group or two). The faulted run trains every window once and ends with
+    its groups bitwise equal.
+
+    The fault-free run is one of 2 groups of 2 workers (DDP inside each group): every window once over the 4
+    workers, the groups end bitwise equal, and each step line's loss is the whole global batch's, as with
+    one worker per group (the faulted run before its first fault: the same weights at step 1, so the same
+    loss but for the order of the float sums). These were 4 tests of 6 jobs; every job start costs seconds
+    of CPU."""
     steps, holds = 200, tmp_path / "holds"
-    clean = start(tmp_path / "clean", cache_dir, f"train.max_steps={steps}")
-    assert finished(clean) == 0
-    arm(holds, [50, 52, 120, 122])
+    clean = start(tmp_path / "clean", cache_dir, f"train.max_steps={steps}", "replica.nproc_per_group=2")
+    assert finished(clean) == 0, clean.stdout.read() if clean.stdout else ""
+    verdict = ledger_verdict(tmp_path / "clean", cache_dir, steps=steps, workers=2)
+    assert verdict.ok, verdict.problems
+    done = [e for e in read_events(tmp_path / "clean") if e.get("event") == "train_done"]
+    assert len(done) == 4 and len({e["params_sha256"] for e in done}) == 1, done
+
+    arm(holds, [50, 53, 120, 122])
     run_dir = tmp_path / "faulted"
     job = start(run_dir, cache_dir, f"train.max_steps={steps}", f"debug.hold_dir={holds}")
     try:
-        for step, group in ((50, 1), (120, 0)):
-            victim = wait_for(
-                run_dir, job, f"group {group} held at {step}",
-                lambda e, s=step, g=group: e.get("event") == "hold" and e["step"] == s
-                and e.get("replica_group") == g,
-            )  # fmt: skip
-            os.kill(victim["pid"], signal.SIGKILL)
-            release(holds, step)
-            # The survivor is held 2 steps later until the killed group is back, which then heals from it.
-            wait_for(
-                run_dir, job, f"group {group} back",
-                lambda e, g=group, k=victim["pid"]: e.get("event") == "train_start"
-                and e.get("replica_group") == g and e["pid"] != k,
-            )  # fmt: skip
-            release(holds, step + 2)
+        worker = wait_for(
+            run_dir, job, "group 1 held at 50",
+            lambda e: e.get("event") == "hold" and e["step"] == 50 and e.get("replica_group") == 1,
+        )["pid"]  # fmt: skip
+        lost = group_pid(run_dir, 1)
+        kill_trees([lost])  # its torchrun agent and worker: a lost node
+        release(holds, 50)
+        wait_for(
+            run_dir, job, "group 0 trained alone",
+            lambda e: e.get("event") == "step" and e["step"] == 53 and e["participants"] == 1,
+        )  # fmt: skip
+        wait_for(
+            run_dir, job, "group 1 started again",
+            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != worker,
+        )  # fmt: skip
+        release(holds, 53)
+        victim = wait_for(
+            run_dir, job, "group 0 held at 120",
+            lambda e: e.get("event") == "hold" and e["step"] == 120 and e.get("replica_group") == 0,
+        )["pid"]  # fmt: skip
+        os.kill(victim, signal.SIGKILL)
+        release(holds, 120)
+        # The survivor is held 2 steps later until the killed worker is back (torchrun restarts it; if the
+        # survivor is held by then, the restarted worker's quorum waits for it: the Lighthouse forms none of
+        # the restarted group alone while its peer is alive), which then heals from it.
+        wait_for(
+            run_dir, job, "group 0 back",
+            lambda e: e.get("event") == "train_start" and e.get("replica_group") == 0 and e["pid"] != victim,
+        )  # fmt: skip
+        release(holds, 122)
         assert finished(job) == 0
     finally:
         release_all(holds)
@@ -178,10 +181,20 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
     events = read_events(run_dir)
     healed = {e["replica_group"] for e in events if e.get("event") == "heal" and e["step"] > 0}
     assert healed == {0, 1}
+    assert [e for e in events if e.get("event") == "heal" and e["replica_group"] == 1 and e["step"] > 50]
+    heal = next(
+        e for e in events if e.get("event") == "heal" and e["replica_group"] == 0 and e["pid"] != victim
+    )
+    assert heal["step"] > 120 and heal["from_step"] == 0, heal  # the restarted worker held no state
+    records = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()]
+    started = [e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 1]
+    assert len(started) == 2 and started[0] == lost
     # One lineage per quorum: a healed group adopts the one its quorum's rank 0 claimed for the heal step, and
     # claims none of its own when it is rank 0 of that quorum's next step (group 0, healed second, is).
     claims = [e["quorum"] for e in events if e.get("event") == "lineage" and "quorum" in e]
     assert len(claims) == len(set(claims)), claims
+    digests = final_digests(run_dir)
+    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
     faulted, reference = final_parameters(run_dir, steps), final_parameters(tmp_path / "clean", steps)
     assert faulted.keys() == reference.keys()
     worst = max(
@@ -194,46 +207,7 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
     print(f"largest relative parameter difference at step {steps}: {worst:.3e}")
     assert worst < 1e-4
 
-
-def test_a_killed_worker_heals_from_its_peer_and_the_groups_end_bitwise_equal(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    run_dir, holds = tmp_path / "run", tmp_path / "holds"
-    arm(holds, [5, 30])
-    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
-    try:
-        held = wait_for(
-            run_dir,
-            job,
-            "group 1 held at 5",
-            lambda e: e.get("event") == "hold" and e.get("replica_group") == 1,
-        )
-        killed = held["pid"]
-        os.kill(killed, signal.SIGKILL)
-        release(holds, 5)
-        # torchrun restarts group 1's worker; it heals from group 0 at once, or, if group 0 is held at 30 by
-        # then, its quorum waits for group 0 (the Lighthouse forms none of the restarted group alone while
-        # group 0 is alive), so 30 is released once the new worker is up.
-        wait_for(
-            run_dir, job, "group 1 back",
-            lambda e: e.get("event") in ("heal", "train_start")
-            and e.get("replica_group") == 1
-            and e["pid"] != killed,
-        )  # fmt: skip
-        release(holds, 30)
-        heal = wait_for(
-            run_dir, job, "group 1 healed",
-            lambda e: e.get("event") == "heal" and e.get("replica_group") == 1 and e["pid"] != killed,
-        )  # fmt: skip
-        assert heal["step"] > 5 and heal["from_step"] == 0
-        assert finished(job) == 0
-    finally:
-        release_all(holds)
-        if job.poll() is None:
-            job.kill()
-    check_ledger(run_dir, cache_dir)
-    digests = final_digests(run_dir)
-    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+    assert step_losses(tmp_path / "clean")[1] == pytest.approx(step_losses(run_dir)[1], rel=1e-5)
 
 
 def group_pid(run_dir: Path, group: int) -> int:
@@ -242,6 +216,11 @@ def group_pid(run_dir: Path, group: int) -> int:
     return next(e["pid"] for e in records if e["event"] == "group_started" and e["group"] == group)
 
 
+# make test-long only: in tests/replica/test_faults.py,
+# test_a_killed_lighthouse_quorum_ids_given_again_a_stalled_replica_and_a_kill_during_a_heal checks the same
+# (no group holds a state: one restores the newest checkpoint in a new lineage, the other heals from it, every
+# window once, nothing before that checkpoint trained again).
+@pytest.mark.long
 def test_groups_that_all_lost_their_state_resume_from_the_durable_checkpoint(
     tmp_path: Path, cache_dir: Path
 ) -> None:
@@ -289,116 +268,8 @@ def test_groups_that_all_lost_their_state_resume_from_the_durable_checkpoint(
     assert len(verdict.lineages) == 2 and verdict.discarded == 0  # step 10 was durable: nothing lost
 
 
-def test_a_whole_job_killed_and_started_again_resumes_from_its_checkpoint(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    """The launcher, the Lighthouse and every group SIGKILLed after step 12 (checkpoints every 5 steps): a
-    second `elastic-qa replicas` on the run resumes at step 10, and the final model's chain of lineages
-    trains every window once; steps 11-12 of the killed job are the discarded work."""
-    run_dir, holds = tmp_path / "run", tmp_path / "holds"
-    arm(holds, [12])
-    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
-    try:
-        held(run_dir, first, 12)
-        wait_for(
-            run_dir, first, "the checkpoint of step 10",
-            lambda e: e.get("event") == "checkpoint_committed" and e.get("step") == 10,
-        )  # fmt: skip
-        kill_trees([first.pid, group_pid(run_dir, 0), group_pid(run_dir, 1)])
-        first.wait(timeout=60)
-    finally:
-        release_all(holds)
-        if first.poll() is None:
-            first.kill()
-    second = start(run_dir, cache_dir, "checkpoint.every_steps=5")
-    assert finished(second) == 0, second.stdout.read() if second.stdout else ""
-    resumes = [e for e in read_events(run_dir) if e.get("event") == "resume"]
-    assert [e["step"] for e in resumes] == [10], resumes
-    verdict = ledger_verdict(run_dir, cache_dir)
-    assert verdict.ok, verdict.problems
-    assert verdict.discarded == 2 and len(verdict.lineages) == 2, verdict
-    digests = final_digests(run_dir)
-    assert len(set(digests.values())) == 1, digests
-
-
-def test_a_stopped_job_saves_where_it_stopped_and_resumes_there_losing_nothing(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    """The launcher SIGTERMed (preemption, Ctrl-C) while both groups are held after step 12, with no
-    checkpoint due before the end: it stops every group at once, each leaves at that step boundary, and
-    one commits step 12 (reason sigterm; the other finds it committed). A second `elastic-qa replicas`
-    resumes at 12 and no committed step is trained again."""
-    run_dir, holds = tmp_path / "run", tmp_path / "holds"
-    arm(holds, [12])
-    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
-    try:
-        held(run_dir, first, 12)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=120) == 128 + signal.SIGTERM
-    finally:
-        release_all(holds)
-        if first.poll() is None:
-            first.kill()
-    events = read_events(run_dir)
-    stopping = [e for e in events if e.get("event") == "stopping"]
-    assert sorted(e["replica_group"] for e in stopping) == [0, 1] and {e["step"] for e in stopping} == {12}
-    saved = [e for e in events if e.get("event") == "checkpoint_committed"]
-    assert [(e["step"], e["reason"]) for e in saved] == [(12, "sigterm")], saved
-    second = start(run_dir, cache_dir)
-    assert finished(second) == 0, second.stdout.read() if second.stdout else ""
-    resumes = [e for e in read_events(run_dir) if e.get("event") == "resume"]
-    assert [e["step"] for e in resumes] == [12], resumes
-    verdict = ledger_verdict(run_dir, cache_dir)
-    assert verdict.ok, verdict.problems
-    assert verdict.discarded == 0, verdict
-    digests = final_digests(run_dir)
-    assert len(set(digests.values())) == 1, digests
-
-
 def pids_before(held: dict[int, dict]) -> set[int]:
     return {event["pid"] for event in held.values()}
-
-
-def test_a_lost_group_is_started_again_and_heals_while_the_survivor_trains(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    """Group 1's torchrun agent and worker killed after step 5 (a lost node): the survivor trains on alone,
-    the launcher starts group 1 again, and it heals from the survivor."""
-    run_dir, holds = tmp_path / "run", tmp_path / "holds"
-    arm(holds, [5, 8])
-    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}")
-    try:
-        worker = wait_for(
-            run_dir,
-            job,
-            "group 1 held at 5",
-            lambda e: e.get("event") == "hold" and e.get("replica_group") == 1,
-        )["pid"]
-        lost = group_pid(run_dir, 1)
-        kill_trees([lost])  # its torchrun agent and worker
-        release(holds, 5)
-        wait_for(
-            run_dir, job, "group 0 trained alone",
-            lambda e: e.get("event") == "step" and e["step"] == 8 and e["participants"] == 1,
-        )  # fmt: skip
-        wait_for(
-            run_dir, job, "group 1 started again",
-            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != worker,
-        )  # fmt: skip
-        release(holds, 8)
-        assert finished(job) == 0
-    finally:
-        release_all(holds)
-        if job.poll() is None:
-            job.kill()
-    check_ledger(run_dir, cache_dir)
-    records = [json.loads(line) for line in (run_dir / "agents" / "replicas.jsonl").read_text().splitlines()]
-    started = [e["pid"] for e in records if e["event"] == "group_started" and e["group"] == 1]
-    assert len(started) == 2 and started[0] == lost
-    events = read_events(run_dir)
-    assert [e for e in events if e.get("event") == "heal" and e["replica_group"] == 1 and e["step"] > 5]
-    digests = final_digests(run_dir)
-    assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from elastic_qa.observe.follow import read_events
 from elastic_qa.report.charts import Series, line_chart
 from elastic_qa.report.page import render_report
 from elastic_qa.report.summary import read_config, run_summary
-from tests.conftest import train_tiny
 from tests.report.runs import CONFIG, IDLE, line, write_run
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -36,17 +35,20 @@ def y_labels(svg: ET.Element) -> list[str]:
     return [t.text for t in svg.iter(f"{SVG}text") if t.get("class") == "y-tick"]
 
 
-def test_report_renders_a_real_run_into_one_self_contained_page(tmp_path: Path, cache_dir: Path) -> None:
-    train_tiny(tmp_path, cache_dir, "train.max_steps=20", "train.eval_every=10")
+def test_report_renders_a_real_run_into_one_self_contained_page(trained: Path, tmp_path: Path) -> None:
+    """The session's finished tiny run (tests/conftest.py, read only: the page is written elsewhere), not a
+    training start of its own."""
+    out = tmp_path / "report.html"
     result = subprocess.run(
-        [sys.executable, "-m", "elastic_qa.cli", "report", str(tmp_path)],
+        [sys.executable, "-m", "elastic_qa.cli", "report", str(trained), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    page = Path(result.stdout.strip()).read_text()
-    assert ">20 of 20<" in page and "finished" in page
+    assert Path(result.stdout.strip()) == out
+    page = out.read_text()
+    assert ">30 of 30<" in page and "finished" in page
     titles = " ".join(charts(page))
     expected = ("Loss per rank", "Gradient norm", "Learning rate", "Throughput", "World size", "Evaluation")
     for title in expected:
