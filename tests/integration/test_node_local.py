@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from elastic_qa.chaos.evidence import run_config
-from elastic_qa.checkpoint.node_local import NodeLocalCopy
 from elastic_qa.observe.follow import read_events
 from elastic_qa.step_holds import release
 from tests.integration import test_elastic as elastic
@@ -78,26 +76,3 @@ def test_killed_workers_resume_from_the_emergency_checkpoint_then_from_one_only_
     resumes = [e for e in events if e["event"] == "resume"]
     assert {(e["step"], e["node_local"]) for e in resumes} == {(25, True), (45, True)}
     assert {e["step"] for e in events if e["event"] == "node_local_made_durable"} == {45}  # each rank says so
-
-
-# Long: the same checks on a killed job's node-local copy (there, then removed, the durable checkpoints
-# kept, twice) are made in `make test` by test_run_hold.py::
-# test_a_start_after_the_holding_job_was_killed_resumes_its_checkpoint_once_its_node_copy_is_removed
-@pytest.mark.long
-def test_a_killed_benchmark_job_leaves_no_node_local_copy(tmp_path: Path, cache_dir: Path) -> None:
-    # A benchmark's job ends killed (kill_everything), so no worker removes its copy from node memory: the
-    # benchmark does, with remove_node_local_copy, and the durable checkpoints stay.
-    run_dir = tmp_path / "run"
-    job = elastic.run_job(run_dir, cache_dir, "train.max_steps=100000", "debug.step_delay=20ms", agents=1)
-    try:
-        wait_for_event(run_dir, lambda e: e["event"] == "checkpoint_committed" and e["step"] == 20)
-    finally:
-        job.kill_everything()
-    copy = NodeLocalCopy.for_run(run_config(run_dir))
-    assert copy is not None
-    directory = Path(copy.directory)
-    assert list(directory.glob("step-*/manifest.json")), "the job's copy in node memory, before the removal"
-    job.remove_node_local_copy()
-    assert not directory.exists() and not Path(copy.lock_path).exists()
-    assert list((run_dir / "checkpoints").glob("step-*/manifest.json"))  # durable checkpoints untouched
-    job.remove_node_local_copy()  # twice: nothing left to do
