@@ -473,6 +473,11 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
             lambda e: e.get("event") == "checkpoint_committed" and e["reason"] == "emergency",
         )  # fmt: skip
         assert emergency["step"] == 22
+        # Both groups must have asked the silent Lighthouse before it answers again: a group slowed by the
+        # machine's load could otherwise ask after the SIGCONT and get a quorum.
+        for group in (0, 1):
+            timed_out = {"event": "no_quorum", "replica_group": group, "step": 22}
+            wait_for(run_dir, third, str(timed_out), lambda e, want=timed_out: want.items() <= e.items())
         os.kill(lighthouse, signal.SIGCONT)
         assert finished(third) == 0, third.stdout.read() if third.stdout else ""
     finally:
