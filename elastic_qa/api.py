@@ -196,16 +196,19 @@ def _fit_here(cfg: Config) -> tuple[int, dict[str, float], bool]:
     import torch
 
     from elastic_qa import train
+    from elastic_qa.dist import denormals_flushed
     from elastic_qa.observe.log import configure_terminal_logging
 
     umask = os.umask(0o022)
     os.umask(umask)  # read, not changed (run.private changes it for the run)
     threads = torch.get_num_threads()
+    flushed = denormals_flushed()  # this thread's flag (train.flush_denormals sets it for the run)
     try:
         result = train.run(cfg)
     finally:
         os.umask(umask)
         torch.set_num_threads(threads)
+        torch.set_flush_denormal(flushed)
         configure_terminal_logging()  # later warnings (predict's) go to stderr, not into the run's log
     metrics = {"em": result["em"], "f1": result["f1"], "eval_loss": result["loss"]} if "em" in result else {}
     return int(result["step"]), metrics, bool(result["stopped"])

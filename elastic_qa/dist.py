@@ -205,6 +205,53 @@ def set_threads(requested: int, ctx: DistContext) -> int:
     return threads
 
 
+# The bits of a float32 denormal (2**-129, below the smallest normal number 2**-126): written as bits, since a
+# conversion or an operation on a flushing thread would make it zero.
+DENORMAL_BITS = 0x00100000
+
+
+def flush_denormals(enabled: bool) -> bool:
+    """Make the CPU treat denormal floats as zero (x86 FTZ and DAZ) in this thread and in every thread it
+    starts later, torch's intra-op pool among them (`enabled` false: IEEE denormals again). Whether every
+    intra-op thread now flushes them.
+
+    The flag is a thread's own: a pool thread started before this call keeps the flag it started with (half
+    of a 2-thread multiplication then still computes denormals), so this runs before torch's first parallel
+    operation in the process. Why training wants it: Adam's first moment of an embedding row that no batch
+    hits decays by 0.9 a step into the denormal range within ~800 steps and stays there (at 4 times the
+    smallest denormal, 0.9 x rounds back to x), and an x86 core takes many times longer over each one: the
+    fused AdamW step over a 65536-word embedding took several times as long once its rare rows had decayed
+    (docs/benchmarks.md, "Denormals"). Flushed, those moments become zero; an update that small (~1e-39 of
+    the learning rate) changes no float32 weight anyway."""
+    torch.set_flush_denormal(enabled)
+    return denormals_flushed(every_thread=True)
+
+
+def set_denormals(enabled: bool, log: Any) -> bool:
+    """`flush_denormals(enabled)` (train.flush_denormals), with one warning line when it was asked for and
+    some thread does not flush: a CPU without the flag, or torch's pool started earlier in this process (the
+    Python API in the caller's process). Whether every intra-op thread flushes."""
+    from elastic_qa.observe.events import Event
+
+    flushed = flush_denormals(enabled)
+    if enabled and not flushed:
+        log.warning(
+            Event.DIAGNOSIS,
+            finding="denormals: train.flush_denormals is on, but not every CPU thread of this process "
+            "flushes them (no such flag on this CPU, or torch's threads started before the trainer): steps "
+            "may slow down as the optimizer's moments decay",
+        )
+    return flushed
+
+
+def denormals_flushed(every_thread: bool = False) -> bool:
+    """Whether denormal inputs count as zero: on this thread alone (a probe too small to be split), or on
+    every intra-op thread (one large enough that each thread multiplies a part of it)."""
+    count = 65536 * max(1, torch.get_num_threads()) if every_thread else 16
+    probe = torch.full((count,), DENORMAL_BITS, dtype=torch.int32).view(torch.float32)
+    return not bool((probe * 1.0).any())
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity: a container's or a scheduler's share)."""
     try:

@@ -36,6 +36,7 @@ from elastic_qa.dist import (
     finish_process,
     forked_worker,
     init_distributed,
+    set_denormals,
     set_threads,
     shutdown,
     under_torchrun_agent,
@@ -136,6 +137,7 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     log = get_logger()
     STARTUP.mark("config")
     try:
+        denormals = set_denormals(cfg.train.flush_denormals, log)  # before torch's first parallel operation
         # Before the process group: a long first build cannot time it out.
         data = prepare(cfg, family_for(cfg.model))
         STARTUP.mark("cache_open")
@@ -146,7 +148,12 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         warmup.join()  # no other import runs beside it (two threads' imports can deadlock on their locks)
         STARTUP.mark("process_group")
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
-        trainer.start(threads=threads, restart_count=_restart_count(), config_hash=cfg.digest())
+        trainer.start(
+            threads=threads,
+            restart_count=_restart_count(),
+            config_hash=cfg.digest(),
+            flush_denormals=denormals,
+        )
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
             if _restart_count() == 0:  # once the start is accepted: a refused start says only why

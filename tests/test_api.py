@@ -23,6 +23,7 @@ from elastic_qa.checkpoint.locate import load_checkpoint
 from elastic_qa.cli import main as cli_main
 from elastic_qa.config import ConfigError, parse_override
 from elastic_qa.data.examples import DataError
+from elastic_qa.dist import denormals_flushed
 from elastic_qa.exits import UsageError
 from elastic_qa.export import EXPORT_FILE
 from elastic_qa.observe.follow import read_events
@@ -115,8 +116,10 @@ def test_a_second_fit_in_this_process_is_refused_while_one_trains_and_the_first_
     assert [row["event"] for row in events].count("train_start") == 1
     assert [row["step"] for row in events if row["event"] == "step"] == [1, 2, 3]
 
+    flushed = denormals_flushed()
     later = elastic_qa.fit("tiny", **tiny(tmp_path / "c", cache_dir, max_steps=2, warmup_steps=0))
     assert (later.step, later.stopped) == (2, False)
+    assert denormals_flushed() == flushed  # train.flush_denormals is the run's: the caller's flag is put back
 
 
 def test_fit_raises_bad_input_instead_of_exiting(tmp_path: Path, cache_dir: Path) -> None:

@@ -34,6 +34,7 @@ USAGE = """elastic-qa bench NAME [options]: measure this trainer (see docs/bench
     goodput      effective training time under a steady failure rate: product, bare torchrun, torchft
     replicas     the replica-group mode under worker kills: survivors' next step, heal, rejoin; ledger
     scaling      samples/s, speed-up and communication share at 1, 2, ... ranks
+    denormals    the optimizer step over a large vocabulary's embedding, train.flush_denormals off vs on
     probe        start-up cost of the loss-invariance probe (time, peak memory) for transformers models
     drift        how far final parameters at 2, 3, 4 ranks (and after a resize) drift from 1 rank, by step
     prepare      feature cache builds at 13k/130k/1.3M questions, 1 and 2 workers; start to first step
@@ -59,6 +60,7 @@ BENCHMARKS = (
     "goodput",
     "replicas",
     "scaling",
+    "denormals",
     "probe",
     "drift",
     "prepare",

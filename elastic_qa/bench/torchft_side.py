@@ -85,6 +85,7 @@ def train(replica: int, lighthouse: str, config: str, overrides: list[str]) -> i
 
     from elastic_qa.config import resolve_config
     from elastic_qa.data.loader import collate
+    from elastic_qa.dist import flush_denormals
     from elastic_qa.models import family_for, model_inputs
     from elastic_qa.optim import build_optimizer
     from elastic_qa.prep import prepare
@@ -92,6 +93,7 @@ def train(replica: int, lighthouse: str, config: str, overrides: list[str]) -> i
     parent = os.getppid()
     torch.set_num_threads(1)  # two replicas share the host, as the product's two workers do
     cfg = resolve_config(config, overrides)
+    flush_denormals(cfg.train.flush_denormals)  # the same arithmetic as the product's workers
     family = family_for(cfg.model)
     data = prepare(cfg, family)
     torch.manual_seed(cfg.run.seed)

@@ -43,7 +43,15 @@ from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.data.cache import PreparedData
 from elastic_qa.data.cursor import GlobalBatch, GlobalBatchIterator
 from elastic_qa.data.examples import DataError
-from elastic_qa.dist import DistContext, init_distributed, set_threads, shutdown, unwrap, usable_cores
+from elastic_qa.dist import (
+    DistContext,
+    init_distributed,
+    set_denormals,
+    set_threads,
+    shutdown,
+    unwrap,
+    usable_cores,
+)
 from elastic_qa.elastic.signals import StopRequest
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_REGROUP
 from elastic_qa.loop.model import build_trained_model, new_train_state
@@ -474,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level, replica_group=group)
     log = get_logger()
     try:
+        denormals = set_denormals(cfg.train.flush_denormals, log)  # before torch's first parallel operation
         data = prepare(cfg, family_for(cfg.model))
         ctx = init_distributed(cfg.dist)
         # Every group of the job runs on this host (the local launcher): the cores are shared by all their
@@ -482,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         here = int(os.environ.get(GROUPS_HERE_ENV) or cfg.replica.groups)
         set_threads(cfg.train.threads or max(1, usable_cores() // (here * ctx.ranks_on_host)), ctx)
         log.info(Event.WORKER_START, backend=ctx.backend or "none", replica_group=group,
-                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # fmt: skip
+                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                 flush_denormals=denormals)  # fmt: skip
         trainer = ReplicaTrainer(cfg, ctx, data, group, lighthouse)
         try:
             result = trainer.train()

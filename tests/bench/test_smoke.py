@@ -347,3 +347,16 @@ def test_replicas_with_the_lighthouse_killed_twice(tmp_path: Path, cache_dir: Pa
     for fault in result["per_fault"]:
         assert fault["restart_s"] <= fault["rejoin_s"]
     assert result["ledger"]["ok"] and result["ledger"]["problems"] == []
+
+
+def test_denormals_steps_both_copies_alike_and_the_rare_rows_moments_decay_into_denormals(
+    tmp_path: Path,
+) -> None:
+    result = bench(
+        tmp_path, "denormals", "--vocab", "1024", "--dim", "16", "--steps", "900", "--window", "300"
+    )
+    assert [w["steps"] for w in result["windows"]] == ["1-300", "301-600", "601-900"]
+    assert all(w["off_ms"] > 0 and w["on_ms"] > 0 for w in result["windows"])
+    # After ~740 steps without a gradient, the rare rows' first moments are denormal in the unflushed copy;
+    # the flushed copy's are zero, and neither moment moves a float32 weight.
+    assert result["denormals_at_end"] > 0 and result["weights_equal"] is True

@@ -151,6 +151,7 @@ def test_two_agents_train_in_bf16_to_the_end_report_em_and_refuse_a_checkpoint_o
     # Each agent's torchrun has a local world of one, yet the two ranks share this host's cores.
     starts = [e for e in events if e["event"] == "worker_start"]
     assert len(starts) == 2 and {e["threads"] for e in starts} == {max(1, usable_cores() // 2)}
+    assert {e["flush_denormals"] for e in starts} == {True}  # on every thread of each (train.flush_denormals)
     assert [e["warm"] for e in events if e["event"] == "startup"] == [False, False]
     # bf16 autocast and bf16 gradient compression trained.
     steps = [e for e in events if e["event"] == "step"]

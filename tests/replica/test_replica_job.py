@@ -135,8 +135,11 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
     assert finished(clean) == 0, clean.stdout.read() if clean.stdout else ""
     verdict = ledger_verdict(tmp_path / "clean", cache_dir, steps=steps, workers=2)
     assert verdict.ok, verdict.problems
-    done = [e for e in read_events(tmp_path / "clean") if e.get("event") == "train_done"]
+    events = read_events(tmp_path / "clean")
+    done = [e for e in events if e.get("event") == "train_done"]
     assert len(done) == 4 and len({e["params_sha256"] for e in done}) == 1, done
+    # Every worker flushes denormals on each of its threads (train.flush_denormals, on by default).
+    assert [e["flush_denormals"] for e in events if e.get("event") == "worker_start"] == [True] * 4
 
     arm(holds, [50, 53, 120, 122])
     run_dir = tmp_path / "faulted"
