@@ -17,6 +17,7 @@ import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypedDict, TypeVar
 
@@ -146,8 +147,12 @@ def _value(word: int, of: object) -> int | bool | float:
     return bool(word) if of is bool else word
 
 
-def init_distributed(cfg: DistConfig) -> DistContext:
-    """Join the process group torchrun describes in the environment, or run as one process."""
+def init_distributed(cfg: DistConfig, per_attempt_store: bool = False) -> DistContext:
+    """Join the process group torchrun describes in the environment, or run as one process.
+
+    `per_attempt_store`: the group's keys go under this torchrun attempt's prefix of the agent's store
+    (`attempt_store`), for a job whose workers all belong to one torchrun agent (a replica group): the
+    ranks of different agents may count their restarts differently, so the classic mode keeps env://."""
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -167,9 +172,13 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         device = torch.device("cuda", local_rank)
     if not launched_by_torchrun():
         return DistContext(0, 1, 0, device, None, 1)
+    store = attempt_store(cfg.timeout) if per_attempt_store else None
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        init_method=None if store else "env://",
+        store=store,
+        rank=int(os.environ["RANK"]) if store else -1,
+        world_size=int(os.environ["WORLD_SIZE"]) if store else -1,
         timeout=cfg.timeout,
         device_id=device if backend == "nccl" else None,
     )
@@ -181,6 +190,28 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     dist.all_gather_object(keys, mine)
     ranks_on_host = keys.count(mine)
     return DistContext(dist.get_rank(), world, local_rank, device, backend, ranks_on_host)
+
+
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """A client of the torchrun agent's store with this attempt's keys under a prefix of their own; None when
+    the workers do not use the agent's store (rank 0 then hosts a new one each attempt).
+
+    torch 2.13's agent keeps one store server across its restarts (the same MASTER_PORT in every attempt)
+    and env:// puts no attempt in the keys, so what the workers of an earlier attempt wrote is still there
+    when the next attempt's start: a restarted 2-worker replica group's rank 0 failed to connect to a gloo
+    address no process listened on any more (tests/replica/test_faults.py, the quorumless job)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(
+        f"elastic_qa/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client
+    )
 
 
 def core_key() -> str:
@@ -227,19 +258,16 @@ def flush_denormals(enabled: bool) -> bool:
     return denormals_flushed(every_thread=True)
 
 
-def set_denormals(enabled: bool, log: Any) -> bool:
-    """`flush_denormals(enabled)` (train.flush_denormals), with one warning line when it was asked for and
+def set_denormals(enabled: bool, warn: Callable[[str], None]) -> bool:
+    """`flush_denormals(enabled)` (train.flush_denormals); `warn` gets one finding when it was asked for and
     some thread does not flush: a CPU without the flag, or torch's pool started earlier in this process (the
     Python API in the caller's process). Whether every intra-op thread flushes."""
-    from elastic_qa.observe.events import Event
-
     flushed = flush_denormals(enabled)
     if enabled and not flushed:
-        log.warning(
-            Event.DIAGNOSIS,
-            finding="denormals: train.flush_denormals is on, but not every CPU thread of this process "
-            "flushes them (no such flag on this CPU, or torch's threads started before the trainer): steps "
-            "may slow down as the optimizer's moments decay",
+        warn(
+            "denormals: train.flush_denormals is on, but not every CPU thread of this process flushes them "
+            "(no such flag on this CPU, or torch's threads started before the trainer): steps may slow down "
+            "as the optimizer's moments decay"
         )
     return flushed
 

@@ -137,7 +137,10 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     log = get_logger()
     STARTUP.mark("config")
     try:
-        denormals = set_denormals(cfg.train.flush_denormals, log)  # before torch's first parallel operation
+        # Before torch's first parallel operation: a pool thread keeps the flag it started with.
+        denormals = set_denormals(
+            cfg.train.flush_denormals, lambda said: log.warning(Event.DIAGNOSIS, finding=said)
+        )
         # Before the process group: a long first build cannot time it out.
         data = prepare(cfg, family_for(cfg.model))
         STARTUP.mark("cache_open")

@@ -160,6 +160,23 @@ class _IncarnationClient:
         return getattr(self._client, name)
 
 
+def forget_manager_address(host: str, port: int, group_rank: int, timeout: timedelta) -> None:
+    """Delete the address of the group's torchft manager that an earlier torchrun attempt's rank 0 left in
+    the agent's store, before any worker of this attempt reads it (collective over the group's workers).
+
+    torchft's Manager keeps it under one key of the raw store (rank 0 sets it, the others read it), and torch
+    2.13's agent keeps its store across restarts: a restarted worker that reads first would otherwise reach
+    for the dead manager of the attempt before. Rank 0 deletes it, and no worker goes on before it has."""
+    import torch.distributed as dist
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if group_rank == 0:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            client.delete_key(key)
+    dist.barrier()
+
+
 @dataclass(frozen=True)
 class Quorum:
     """What one step's quorum says about this replica group."""
@@ -202,6 +219,8 @@ class ReplicaManager:
         collective = settings.collective_timeout
         self.pg = ProcessGroupGloo(timeout=collective)
         host, port = store or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        if group_world_size > 1:
+            forget_manager_address(host, port, group_rank, collective)
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=load_state,

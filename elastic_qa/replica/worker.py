@@ -482,9 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(Path(cfg.run.dir) / "logs", cfg.log.level, replica_group=group)
     log = get_logger()
     try:
-        denormals = set_denormals(cfg.train.flush_denormals, log)  # before torch's first parallel operation
+        # Before torch's first parallel operation: a pool thread keeps the flag it started with.
+        denormals = set_denormals(
+            cfg.train.flush_denormals, lambda said: log.warning(Event.DIAGNOSIS, finding=said)
+        )
         data = prepare(cfg, family_for(cfg.model))
-        ctx = init_distributed(cfg.dist)
+        ctx = init_distributed(cfg.dist, per_attempt_store=True)  # the group's workers: one torchrun agent
         # Every group of the job runs on this host (the local launcher): the cores are shared by all their
         # workers, not only this group's (two groups of one worker each on 2 cores, 2 threads each: forward
         # and backward p90 185 ms against 10 ms at the median). `elastic-qa node --replicas`: one group.

@@ -57,6 +57,7 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.integration
 
 LOOPBACK = "127.0.0.1"
+WORKERS = "replica.nproc_per_group=2"
 
 
 def launcher_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -84,9 +85,10 @@ def worker_pid(run_dir: Path, group: int) -> int:
     return starts[-1]["pid"]
 
 
-def check_the_end(run_dir: Path, cache: Path, max_steps: int = MAX_STEPS) -> Verdict:
-    """The checks every fault test ends with: the ledger, the rotation, the final parameters."""
-    verdict = ledger_verdict(run_dir, cache, steps=max_steps)
+def check_the_end(run_dir: Path, cache: Path, max_steps: int = MAX_STEPS, workers: int = 1) -> Verdict:
+    """The checks every fault test ends with: the ledger, the rotation, the final parameters (every worker
+    of both groups, `workers` a group, ends bitwise equal)."""
+    verdict = ledger_verdict(run_dir, cache, steps=max_steps, workers=workers)
     assert verdict.ok, verdict.problems
     store = open_store(str(run_dir / "checkpoints"))
     steps = store.list_steps()
@@ -96,6 +98,8 @@ def check_the_end(run_dir: Path, cache: Path, max_steps: int = MAX_STEPS) -> Ver
         assert verdict.on_chain(manifest["attempt"], info.step), (info.step, manifest["attempt"], verdict)
     digests = final_digests(run_dir)
     assert set(digests) == {0, 1} and len(set(digests.values())) == 1, digests
+    done = [e for e in read_events(run_dir) if e.get("event") == "train_done"]
+    assert len(done) == 2 * workers and len({e["params_sha256"] for e in done}) == 1, done
     return verdict
 
 
@@ -401,6 +405,58 @@ def test_a_killed_lighthouse_quorum_ids_given_again_a_stalled_replica_and_a_kill
     assert verdict.discarded == sending["step"] - resumed[0], verdict
 
 
+# ---- a killed worker of a group of two ------------------------------------------------------------
+
+
+def test_a_killed_worker_of_a_two_worker_group_is_started_again_with_its_peer_and_both_heal(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Groups of 2 workers; group 1's rank 1 SIGKILLed while both groups are held after step 10: its torchrun
+    stops its peer and starts both again, and they heal from group 0 while it trains on. The agent keeps its
+    store across the restart: before the workers' keys went under a prefix of their attempt and the manager
+    address left by the attempt before was deleted, the restarted workers reached for the dead attempt's
+    gloo peer or torchft manager and hung."""
+    run_dir, holds, steps = tmp_path / "run", tmp_path / "holds", 20
+    arm(holds, [10, 12])
+    job = start(run_dir, cache_dir, f"debug.hold_dir={holds}", WORKERS, f"train.max_steps={steps}")
+    try:
+        held(run_dir, job, 10)
+        before = {e["pid"] for e in read_events(run_dir) if e.get("event") == "worker_start"}
+        victim = next(
+            e["pid"] for e in read_events(run_dir)
+            if e.get("event") == "worker_start" and e["replica_group"] == 1 and e["rank"] == 1
+        )  # fmt: skip
+        os.kill(victim, signal.SIGKILL)
+        release(holds, 10)
+        # Group 0 is held 2 steps later until group 1 is back: a group alone gets no quorum from the
+        # Lighthouse while its peer is alive and asks for none.
+        for rank in (0, 1):
+            wait_for(
+                run_dir, job, f"group 1's rank {rank} started again",
+                lambda e, r=rank: e.get("event") == "train_start" and e["replica_group"] == 1
+                and e["rank"] == r and e["pid"] not in before,
+            )  # fmt: skip
+        release(holds, 12)
+        assert finished(job) == 0, job.stdout.read() if job.stdout else ""
+    finally:
+        release_all(holds)
+        if job.poll() is None:
+            job.kill()
+    events = read_events(run_dir)
+    # One torchrun restart: the new workers are its first (before, that attempt failed to connect to the dead
+    # worker's gloo address, and the next one hung for minutes).
+    again = [e for e in events if e.get("event") == "worker_start" and e["pid"] not in before]
+    assert sorted((e["replica_group"], e["rank"], e["restart_count"]) for e in again) == [
+        (1, 0, 1),
+        (1, 1, 1),
+    ]
+    healed = [
+        e for e in events if e.get("event") == "heal" and e["replica_group"] == 1 and e["pid"] not in before
+    ]
+    assert sorted(e["rank"] for e in healed) == [0, 1] and all(e["step"] > 10 for e in healed), healed
+    check_the_end(run_dir, cache_dir, steps, workers=2)  # every window once, every worker bitwise equal
+
+
 # ---- a whole job killed, stopped, without a quorum ------------------------------------------------
 
 
@@ -408,7 +464,8 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
     tmp_path: Path, cache_dir: Path
 ) -> None:
     """Three ways a whole job ends early, one after another on one run (three tests of 6 job starts before,
-    now 4; every start costs seconds of CPU):
+    now 4; every start costs seconds of CPU), with 2 workers in each group (DDP inside it), whose workers
+    must agree on the step they stop at, save or leave:
 
     1. The launcher, the Lighthouse and every group SIGKILLed after step 12 (checkpoints every 5 steps): a
        second `elastic-qa replicas` on the run resumes at step 10; steps 11-12 of the killed job are the
@@ -425,7 +482,7 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
     nothing but steps 11-12 was discarded."""
     run_dir, holds, stop_holds = tmp_path / "run", tmp_path / "holds", tmp_path / "stop-holds"
     arm(holds, [12])
-    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5")
+    first = start(run_dir, cache_dir, f"debug.hold_dir={holds}", "checkpoint.every_steps=5", WORKERS)
     try:
         held(run_dir, first, 12)
         wait_for(
@@ -440,7 +497,7 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
             first.kill()
     killed_at = time.time()
     arm(stop_holds, [14])
-    second = start(run_dir, cache_dir, f"debug.hold_dir={stop_holds}", "checkpoint.every_steps=5")
+    second = start(run_dir, cache_dir, f"debug.hold_dir={stop_holds}", "checkpoint.every_steps=5", WORKERS)
     try:
         held(run_dir, second, 14)
         second.send_signal(signal.SIGTERM)
@@ -450,17 +507,24 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
         if second.poll() is None:
             second.kill()
     events = read_events(run_dir)
-    assert [e["step"] for e in events if e.get("event") == "resume"] == [10]
+    resumed = [(e["replica_group"], e["step"]) for e in events if e.get("event") == "resume"]
+    assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0][1] == 10, (
+        resumed
+    )  # one group's workers
     stopping = [e for e in events if e.get("event") == "stopping"]
-    assert sorted(e["replica_group"] for e in stopping) == [0, 1] and {e["step"] for e in stopping} == {14}
+    assert sorted(e["replica_group"] for e in stopping) == [0, 0, 1, 1] and {e["step"] for e in stopping} == {
+        14
+    }
     saved = [e for e in events if e.get("event") == "checkpoint_committed" and e["ts"] > killed_at]
-    assert [(e["step"], e["reason"]) for e in saved] == [(14, "sigterm")], saved
+    # One group writes it; the other finds it committed, or, when it looks while that write is still under way
+    # (a loaded machine), writes the same state again.
+    assert saved and {(e["step"], e["reason"]) for e in saved} == {(14, "sigterm")}, saved
 
     quorumless = tmp_path / "no-quorum-holds"
     arm(quorumless, [22])
     third = start(
         run_dir, cache_dir, f"debug.hold_dir={quorumless}", "checkpoint.every_steps=5",
-        "replica.quorum_retries=0", "replica.quorum_timeout=3s",
+        "replica.quorum_retries=0", "replica.quorum_timeout=3s", WORKERS,
     )  # fmt: skip
     lighthouse = 0
     try:
@@ -490,7 +554,7 @@ def test_a_killed_a_stopped_and_a_quorumless_job_each_resume_where_they_saved_lo
     events = read_events(run_dir)
     assert {e["replica_group"] for e in events if e.get("event") == "no_quorum" and e["step"] == 22} == {0, 1}
     resumes = [e["step"] for e in events if e.get("event") == "resume"]
-    assert resumes == [10, 14, 22], resumes
-    verdict = check_the_end(run_dir, cache_dir)  # the ledger, the rotation, the groups bitwise equal
+    assert resumes == [10, 10, 14, 14, 22, 22], resumes  # each time, both workers of the group that restored
+    verdict = check_the_end(run_dir, cache_dir, workers=2)  # the ledger, the rotation, every worker equal
     assert verdict.discarded == 2, verdict  # the killed job's 11-12; the stop and the emergency lost nothing
     assert len(verdict.lineages) == 4, verdict  # one more at each of the 3 restores
