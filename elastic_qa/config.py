@@ -310,8 +310,9 @@ class TrainConfig:
     """torch intra-op threads per process (0: CPU cores / processes on this host)."""
     flush_denormals: bool = True
     """Treat denormal floats as zero on the CPU (x86 flush-to-zero): Adam's moments of rarely seen embedding
-    rows decay into the denormal range, where each CPU operation costs ~100x (the optimizer step of a large
-    vocabulary 4-5x as long). False keeps IEEE denormals. No effect on a GPU's kernels."""
+    rows decay into the denormal range, where the CPU is slow (the fused AdamW step over a 65536 x 256
+    embedding took 4.4-6.0x as long: `elastic-qa bench denormals`). False keeps IEEE denormals. No effect on
+    a GPU's kernels."""
     compile: bool = False
     """torch.compile the model (inductor; C++ on CPU, needs a compiler): faster steps after a first step that
     compiles (docs/compile.md)."""

@@ -198,8 +198,9 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
 
     torch 2.13's agent keeps one store server across its restarts (the same MASTER_PORT in every attempt)
     and env:// puts no attempt in the keys, so what the workers of an earlier attempt wrote is still there
-    when the next attempt's start: a restarted 2-worker replica group's rank 0 failed to connect to a gloo
-    address no process listened on any more (tests/replica/test_faults.py, the quorumless job)."""
+    when the next attempt's start. Without this, a restarted 2-worker replica group's rank 0 failed to
+    connect to a gloo address no process listened on any more, and the next attempt hung
+    (tests/replica/test_faults.py, a killed worker of a two-worker group)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     client = dist.TCPStore(
@@ -249,11 +250,10 @@ def flush_denormals(enabled: bool) -> bool:
     The flag is a thread's own: a pool thread started before this call keeps the flag it started with (half
     of a 2-thread multiplication then still computes denormals), so this runs before torch's first parallel
     operation in the process. Why training wants it: Adam's first moment of an embedding row that no batch
-    hits decays by 0.9 a step into the denormal range within ~800 steps and stays there (at 4 times the
-    smallest denormal, 0.9 x rounds back to x), and an x86 core takes many times longer over each one: the
-    fused AdamW step over a 65536-word embedding took several times as long once its rare rows had decayed
-    (docs/benchmarks.md, "Denormals"). Flushed, those moments become zero; an update that small (~1e-39 of
-    the learning rate) changes no float32 weight anyway."""
+    hits decays by 0.9 a step into the denormal range within ~740 steps and stays there (at 4 times the
+    smallest denormal, 0.9 x rounds back to x), and an x86 core is slow over denormals: the fused AdamW step
+    over a 65536-word embedding took 4.4-6.0x as long once its rare rows had decayed (docs/benchmarks.md,
+    "Denormals"). Flushed, those moments become zero; in that benchmark the weights ended bitwise equal."""
     torch.set_flush_denormal(enabled)
     return denormals_flushed(every_thread=True)
 

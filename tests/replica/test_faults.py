@@ -50,6 +50,7 @@ from tests.replica.test_replica_job import (
     ledger_verdict,
     overrides,
     start,
+    started_again,
     wait_for,
 )
 
@@ -346,10 +347,7 @@ def test_a_killed_lighthouse_quorum_ids_given_again_a_stalled_replica_and_a_kill
         os.kill(killed, signal.SIGKILL)
         release(holds, 45)
         held(run_dir, job, 47, groups=(0,))  # group 0 alone, held until group 1 is back
-        wait_for(
-            run_dir, job, "group 1 asking for its first quorum",
-            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != killed,
-        )  # fmt: skip
+        started_again(run_dir, job, 1, {killed})  # and about to ask for its first quorum
         release(holds, 47)
         sending = wait_for(
             run_dir, job, "group 0 held while it sends its state",
@@ -431,11 +429,7 @@ def test_a_killed_worker_of_a_two_worker_group_is_started_again_with_its_peer_an
         # Group 0 is held 2 steps later until group 1 is back: a group alone gets no quorum from the
         # Lighthouse while its peer is alive and asks for none.
         for rank in (0, 1):
-            wait_for(
-                run_dir, job, f"group 1's rank {rank} started again",
-                lambda e, r=rank: e.get("event") == "train_start" and e["replica_group"] == 1
-                and e["rank"] == r and e["pid"] not in before,
-            )  # fmt: skip
+            started_again(run_dir, job, 1, before, rank)
         release(holds, 12)
         assert finished(job) == 0, job.stdout.read() if job.stdout else ""
     finally:

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,18 @@ def wait_for(
             raise AssertionError(f"the job ended ({job.returncode}) before {what}: {job.stdout.read()!r}")
         time.sleep(0.05)
     raise TimeoutError(f"no {what} in {run_dir}")
+
+
+def started_again(
+    run_dir: Path, job: subprocess.Popen, group: int, before: Collection[int], rank: int | None = None
+) -> dict:
+    """The `train_start` of a worker of `group` (of group rank `rank`, when given) that is none of `before`:
+    the group started again after a kill."""
+    return wait_for(
+        run_dir, job, f"group {group}{'' if rank is None else f' rank {rank}'} started again",
+        lambda e: e.get("event") == "train_start" and e.get("replica_group") == group
+        and e["pid"] not in before and rank in (None, e.get("rank")),
+    )  # fmt: skip
 
 
 def held(run_dir: Path, job: Any, step: int, groups: tuple[int, ...] = (0, 1)) -> None:
@@ -156,10 +168,7 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
             run_dir, job, "group 0 trained alone",
             lambda e: e.get("event") == "step" and e["step"] == 53 and e["participants"] == 1,
         )  # fmt: skip
-        wait_for(
-            run_dir, job, "group 1 started again",
-            lambda e: e.get("event") == "train_start" and e["replica_group"] == 1 and e["pid"] != worker,
-        )  # fmt: skip
+        started_again(run_dir, job, 1, {worker})
         release(holds, 53)
         victim = wait_for(
             run_dir, job, "group 0 held at 120",
@@ -170,10 +179,7 @@ def test_a_run_with_kills_stays_within_1e_4_of_the_fault_free_run_at_200_steps(
         # The survivor is held 2 steps later until the killed worker is back (torchrun restarts it; if the
         # survivor is held by then, the restarted worker's quorum waits for it: the Lighthouse forms none of
         # the restarted group alone while its peer is alive), which then heals from it.
-        wait_for(
-            run_dir, job, "group 0 back",
-            lambda e: e.get("event") == "train_start" and e.get("replica_group") == 0 and e["pid"] != victim,
-        )  # fmt: skip
+        started_again(run_dir, job, 0, {victim})
         release(holds, 122)
         assert finished(job) == 0
     finally:
