@@ -434,6 +434,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "parallel": args.parallel,
             "agents": 2,
             "sides": names,
+            # Linux shares the CPU between sessions first when this is 1: every side's training processes
+            # run in sessions of their own, so that their step rates compare (None: not Linux).
+            "sched_autogroup": autogroup(),
         },
         "plan": {"faults": [{"at_s": at, "kind": kind} for at, kind in plan.faults], "end_s": plan.end_s},
         "sides": results,
@@ -453,6 +456,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             write_json(args.json, result)
         raise BenchError("; ".join(failures))
     return result
+
+
+def autogroup() -> int | None:
+    """The kernel's autogroup scheduling setting (1: on, the default of most distributions)."""
+    try:
+        return int(Path("/proc/sys/kernel/sched_autogroup_enabled").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:

@@ -266,9 +266,13 @@ class TorchftSide:
             sys.executable, "-m", "elastic_qa.bench.torchft_side", "--replica", str(replica),
             "--lighthouse", self.lighthouse_address, "--config", self.config, *self.overrides,
         ]  # fmt: skip
+        # A session of its own, as torchrun starts every worker of the other sides: with the kernel's
+        # autogroup scheduling (on by default) the CPU is shared between sessions first, so each side's
+        # training processes must sit in sessions alike for their step rates to compare.
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=quiet_env(), preexec_fn=tied_to_this_process()
-        )
+            command, stdout=log, stderr=subprocess.STDOUT, env=quiet_env(),
+            preexec_fn=tied_to_this_process(), start_new_session=True,
+        )  # fmt: skip
         log.close()
         with self.lock:
             self.processes[replica] = process
