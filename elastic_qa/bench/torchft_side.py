@@ -216,6 +216,7 @@ class TorchftSide:
         self.follower = LogFollower(run_dir / "logs")
         self.events: list[dict[str, Any]] = []
         self.processes: dict[int, subprocess.Popen] = {}
+        self.signalled: set[int] = set()  # pids a fault signalled
         self.restarts: list[dict[str, Any]] = []
         self.stopping = threading.Event()
         self.lock = threading.Lock()
@@ -303,7 +304,15 @@ class TorchftSide:
 
     def inject(self, kind: str) -> dict[str, Any]:
         with self.lock:
-            live = [(replica, p) for replica, p in sorted(self.processes.items()) if p.poll() is None]
+            # A process the bench signalled is not a target, whether or not it has exited yet: a fault that
+            # waited for the job to be whole fires right after the one it waited for, and a SIGKILLed
+            # replica's poll() can still say alive then (the same pid was killed twice 60 ms apart, at load
+            # 13): the second fault would be lost, which the replica side's rule does not allow either.
+            live = [
+                (replica, p)
+                for replica, p in sorted(self.processes.items())
+                if p.poll() is None and p.pid not in self.signalled
+            ]
         if not live:
             raise NoTarget("no live replica")
         # The rule the product's node faults follow: a fault waits until the job is whole again (both
@@ -315,6 +324,7 @@ class TorchftSide:
             raise NoTarget("a replica is still restarting or healing from the previous fault")
         replica, process = self.rng.choice(live)
         sig = signal.SIGTERM if kind == "term-node" else signal.SIGKILL
+        self.signalled.add(process.pid)
         try:
             os.kill(process.pid, sig)
         except ProcessLookupError:

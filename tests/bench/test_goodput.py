@@ -14,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import pytest
 from elastic_qa.bench.cli import main
 from elastic_qa.bench.goodput import KINDS, NODE_KINDS, LauncherSide, draw_plan
 from elastic_qa.bench.goodput_figures import Step, lost_per_fault, side_figures
+from elastic_qa.bench.torchft_side import TorchftSide
+from elastic_qa.chaos.faults import NoTarget
 from elastic_qa.launcher.processes import python_env
 from tests.bench.test_interrupted import processes_of, wait_until
 
@@ -167,6 +170,40 @@ def test_the_torchft_side_is_skipped_with_its_reason_when_torchft_is_absent(
     )
     assert "torchft" in result["skipped"] and "torchft" not in result["sides"]
     assert "torchft side skipped: torchft is not importable" in capsys.readouterr().out
+
+
+def test_a_replica_the_bench_signalled_is_no_target_while_it_still_runs(tmp_path: Path) -> None:
+    """A fault that waited for the job to be whole fires right after the one it waited for: the replica just
+    signalled must not be its target again (its fault would be lost), even while it has not exited yet."""
+    side = TorchftSide(tmp_path, "tiny", [], seed=0)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    deaf = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+        "time.sleep(120)"
+    )
+    children: list[subprocess.Popen] = []
+    try:
+        for replica in range(2):
+            child = subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE, text=True)
+            children.append(child)
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"  # SIGTERM ignored now
+            side.processes[replica] = child
+            step = {
+                "event": "step", "ts": time.time(), "step": 1, "committed": True, "participants": 2,
+                "trained": True, "replica": replica, "pid": child.pid, "epoch": 0, "position": 0,
+                "samples": [0],
+            }  # fmt: skip
+            (logs / f"torchft.replica-{replica}.pid-{child.pid}.jsonl").write_text(json.dumps(step) + "\n")
+        first = side.inject("term-node")
+        assert first["signal"] == "SIGTERM" and all(child.poll() is None for child in children)
+        with pytest.raises(NoTarget, match="restarting or healing"):
+            side.inject("kill-worker")  # the other replica is whole, the signalled one still runs
+        assert all(child.poll() is None for child in children)  # nothing was SIGKILLed
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
 
 
 # A minute alone, several on a loaded 2-core host (a restarted replica imports torch and torchft): long.
