@@ -105,10 +105,15 @@ def main(argv: list[str]) -> int:
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         stopped_by.append(signum)
-        raise KeyboardInterrupt  # the unwinding of Ctrl-C: each benchmark's `finally` ends its runs
+        if len(stopped_by) == 1:
+            raise KeyboardInterrupt  # the unwinding of Ctrl-C: each benchmark's `finally` ends its runs
+        # A second signal (`timeout` and a Ctrl-C, a supervisor's SIGTERM sent twice) is noted, not raised:
+        # raised, it broke off the first one's stopping of the runs, and left a SIGSTOPped agent and its
+        # launcher running on after the benchmark had exited.
 
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous_term = signal.signal(signal.SIGTERM, stop) if in_main else None
+    previous_int = signal.signal(signal.SIGINT, stop) if in_main else None
     try:
         result = module.run(args, work.resolve())
         if args.json:
@@ -136,6 +141,8 @@ def main(argv: list[str]) -> int:
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
         structlog.configure(**previous)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

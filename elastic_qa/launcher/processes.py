@@ -112,14 +112,16 @@ def kill_trees(roots: Iterable[int]) -> list[int]:
     /dev/shm until the machine reboots."""
     seen: list[int] = []
     frontier = [pid for pid in roots if alive(pid) and not is_resource_tracker(pid)]
-    while frontier:
-        for pid in frontier:
-            _signal(pid, signal.SIGSTOP)
-        seen += frontier
-        kids = [kid for pid in frontier for kid in children(pid) if kid not in seen]
-        frontier = [kid for kid in kids if not is_resource_tracker(kid)]
-    for pid in seen:
-        _signal(pid, signal.SIGKILL)
+    try:
+        while frontier:
+            for pid in frontier:
+                _signal(pid, signal.SIGSTOP)
+            seen += frontier
+            kids = [kid for pid in frontier for kid in children(pid) if kid not in seen]
+            frontier = [kid for kid in kids if not is_resource_tracker(kid)]
+    finally:  # interrupted or not, nothing is left stopped: a stopped agent never ends, nor its launcher
+        for pid in seen:
+            _signal(pid, signal.SIGKILL)
     return seen
 
 
