@@ -421,6 +421,11 @@ class CheckpointConfig:
     emergency_retry_for: timedelta = timedelta(seconds=20)
     """Stop and emergency saves (SIGTERM, SIGHUP, a failed peer) retry storage errors this long (the agent
     SIGKILLs its workers 30 s after its SIGTERM)."""
+    fence_check_every: timedelta = timedelta(seconds=10)
+    """Under torchrun, rank 0 lists the job's attempt numbers this often, and the group stops (exit 75: its
+    agent rejoins the rendezvous) once a newer group of the job has registered: a split brain of two groups
+    at once, which the fence keeps from committing, is then left within this time, not at the next save.
+    0s: only saves check."""
     allow_non_persistent: bool = False
     """Allow a checkpoint.dir on a store that vanishes with the process (memory://); for tests only."""
     node_local: bool = True
@@ -457,6 +462,12 @@ class CheckpointConfig:
             self.emergency_retry_for.total_seconds() >= 0,
             "emergency_retry_for",
             format_duration(self.emergency_retry_for),
+            "must be >= 0",
+        )
+        _require(
+            self.fence_check_every.total_seconds() >= 0,
+            "fence_check_every",
+            format_duration(self.fence_check_every),
             "must be >= 0",
         )
         _require(

@@ -43,6 +43,7 @@ from elastic_qa.dist import (
 )
 from elastic_qa.elastic.control import PeerFailure
 from elastic_qa.elastic.signals import StopRequest
+from elastic_qa.elastic.superseded import SupersededWatch
 from elastic_qa.elastic.watchdog import AgentWatchdog
 from elastic_qa.exits import EXIT_AGENT_LOST, EXIT_BAD_INPUT, EXIT_REGROUP
 from elastic_qa.metrics import em_f1_text
@@ -127,6 +128,7 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
     # that is no real directory is left to the restore, which refuses it (ResumeError) with the path.
     with contextlib.suppress(CheckpointError):
         check_before_start(cfg.checkpoint_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.run.dir)
+    superseded: SupersededWatch | None = None  # rank 0 under torchrun, once the attempt is registered
     watchdog = AgentWatchdog(
         cfg.dist.agent_check_interval, cfg.dist.agent_lost_grace, stop, cfg.checkpoint.emergency_retry_for
     )
@@ -151,12 +153,16 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         warmup.join()  # no other import runs beside it (two threads' imports can deadlock on their locks)
         STARTUP.mark("process_group")
         trainer = Trainer(cfg, ctx, data, stop_request=stop)
-        trainer.start(
+        attempt = trainer.start(
             threads=threads,
             restart_count=_restart_count(),
             config_hash=cfg.digest(),
             flush_denormals=denormals,
         )
+        if ctx.is_main and under_torchrun_agent():  # a lone process is never superseded: the hold refuses
+            fence = trainer.session.context.fence
+            superseded = SupersededWatch(cfg.checkpoint.fence_check_every, attempt, fence.newest, stop)
+            superseded.start()
         if ctx.is_main:  # only once the run's checkpoint fits: a bad config must not replace a good one
             write_resolved_config(cfg)
             if _restart_count() == 0:  # once the start is accepted: a refused start says only why
@@ -190,6 +196,8 @@ def run(cfg: Config, stop: StopRequest | None = None) -> dict[str, Any]:
         raise
     finally:
         watchdog.stop()
+        if superseded is not None:
+            superseded.stop()
         shutdown()
 
 

@@ -68,6 +68,7 @@ class Event(str, Enum):
     BAD_INPUT = "bad_input"
     PEER_FAILURE = "peer_failure"
     AGENT_LOST = "agent_lost"
+    ATTEMPT_SUPERSEDED = "attempt_superseded"  # a newer group of the job registered: this one leaves
     DEBUG_KILL = "debug_kill"
     LOG_LINES_DROPPED = "log_lines_dropped"
     HOLD = "hold"  # held after a step, or before a heal's state leaves (step_holds.py: chaos runs)
