@@ -61,6 +61,7 @@ from elastic_qa.bench.common import (
     write_json,
 )
 from elastic_qa.bench.goodput_figures import Step, lost_per_fault, side_figures
+from elastic_qa.bench.pinning import Pinner
 from elastic_qa.bench.runs import bench_config
 from elastic_qa.chaos.evidence import check_ledger, run_config
 from elastic_qa.chaos.faults import FlagFile, Injector, NoTarget
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the fault times and kinds (default 0)")
     parser.add_argument("--parallel", action="store_true", help="run the sides at the same time")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each side's node i on a core of its own (CPU affinity), as on machines of their own",
+    )
     parser.add_argument("--timeout", type=float, default=180, help="seconds to wait for any one phase")
     return parser
 
@@ -137,6 +143,7 @@ class Side(Protocol):
     def start(self) -> None: ...
     def steps(self) -> list[Step]: ...
     def inject(self, kind: str) -> dict[str, Any]: ...  # raises NoTarget
+    def node_pids(self) -> list[int]: ...  # the live node-level processes, in node order (--pin)
     def stop(self) -> None: ...
     def lost(self, steps: list[Step], faults: list[float]) -> list[int] | None: ...
     def report(self, steps: list[Step], faults: list[float]) -> dict[str, Any]: ...
@@ -219,6 +226,10 @@ class LauncherSide:
                 thread.start()
                 self.replacements.append(thread)
         return outcome
+
+    def node_pids(self) -> list[int]:
+        """The live torchrun agents, in the order they started (the store host first)."""
+        return [agent["pid"] for agent in self.job.live_agents()]
 
     def regrouped(self) -> bool:
         """The newest group has 2 nodes and started training after the previous fault (the replacement of
@@ -403,7 +414,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001 - reported once every side has ended
             errors[name] = err
 
+    pinner = Pinner({name: side.node_pids for name, side in sides.items()}) if args.pin else None
     try:
+        if pinner is not None:
+            pinner.start()
         if args.parallel:
             # Daemons: after Ctrl-C or SIGTERM the sides are stopped below and the process may exit.
             threads = [
@@ -419,6 +433,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for name in names:
                 one(name)
     finally:
+        if pinner is not None:
+            pinner.stop()
         for side in sides.values():
             side.stop()
     print_summary(results, skipped)
@@ -437,7 +453,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             # Linux shares the CPU between sessions first when this is 1: every side's training processes
             # run in sessions of their own, so that their step rates compare (None: not Linux).
             "sched_autogroup": autogroup(),
+            "pin": args.pin,
         },
+        "pinned": pinner.assignments if pinner is not None else [],
         "plan": {"faults": [{"at_s": at, "kind": kind} for at, kind in plan.faults], "end_s": plan.end_s},
         "sides": results,
         "skipped": skipped,

@@ -47,7 +47,14 @@ from elastic_qa.bench.common import BenchError
 from elastic_qa.bench.goodput_figures import Step
 from elastic_qa.chaos.faults import NoTarget
 from elastic_qa.config import ReplicaConfig, resolve_config
-from elastic_qa.launcher.processes import alive, cmdline, end_process, python_env, tied_to_this_process
+from elastic_qa.launcher.processes import (
+    alive,
+    children,
+    cmdline,
+    end_process,
+    python_env,
+    tied_to_this_process,
+)
 from elastic_qa.models import family_for
 from elastic_qa.observe.events import Event
 from elastic_qa.observe.follow import LogFollower
@@ -146,6 +153,12 @@ class ReplicaSide:
             elif restart == count:
                 pids.append(row["pid"])
         return {group: pids for group, (_, pids) in newest.items()}
+
+    def node_pids(self) -> list[int]:
+        """The live torchrun agents of the groups (the replica launcher's children that run torchrun)."""
+        if self.job is None:
+            return []
+        return [pid for pid in children(self.job.pid) if "torch.distributed.run" in cmdline(pid)]
 
     def whole(self, since: float = 0.0) -> bool:
         """Every group's agent and newest workers are up, none is one the bench signalled, and every group

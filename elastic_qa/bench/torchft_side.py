@@ -302,6 +302,11 @@ class TorchftSide:
             if row["committed"]
         ]
 
+    def node_pids(self) -> list[int]:
+        """The live replica processes, replica 0 first."""
+        with self.lock:
+            return [p.pid for _, p in sorted(self.processes.items()) if p.poll() is None]
+
     def inject(self, kind: str) -> dict[str, Any]:
         with self.lock:
             # A process the bench signalled is not a target, whether or not it has exited yet: a fault that
