@@ -23,6 +23,7 @@ import pytest
 from elastic_qa.bench.cli import main
 from elastic_qa.bench.goodput import KINDS, NODE_KINDS, LauncherSide, draw_plan
 from elastic_qa.bench.goodput_figures import Step, lost_per_fault, side_figures
+from elastic_qa.bench.pinning import Pinner
 from elastic_qa.bench.torchft_side import TorchftSide
 from elastic_qa.chaos.faults import NoTarget
 from elastic_qa.launcher.processes import python_env
@@ -264,3 +265,32 @@ def test_a_parallel_run_stopped_by_sigterm_and_a_second_signal_leaves_no_process
             bench.kill()
         for pid in processes_of(work):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_pin_gives_each_sides_nodes_a_core_of_their_own_and_a_replacement_the_freed_one() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("pinning needs 2 cores")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    nodes = {"a": [subprocess.Popen(sleeper) for _ in range(2)], "b": [subprocess.Popen(sleeper)]}
+    try:
+        pinner = Pinner({name: lambda name=name: [p.pid for p in nodes[name]] for name in nodes})
+        pinner.pin_once()
+        assert [os.sched_getaffinity(p.pid) for p in nodes["a"]] == [{cores[0]}, {cores[1]}]
+        assert os.sched_getaffinity(nodes["b"][0].pid) == {cores[0]}  # each side counts its own nodes
+        gone = nodes["a"].pop(0)  # node 0 of side a is replaced: its successor takes the freed core
+        gone.kill()
+        gone.wait()
+        nodes["a"].append(subprocess.Popen(sleeper))
+        pinner.pin_once()
+        assert os.sched_getaffinity(nodes["a"][1].pid) == {cores[0]}
+        assert [(row["side"], row["core"]) for row in pinner.assignments] == [
+            ("a", cores[0]),
+            ("a", cores[1]),
+            ("b", cores[0]),
+            ("a", cores[0]),
+        ]
+    finally:
+        for process in [*nodes["a"], *nodes["b"]]:
+            process.kill()
+            process.wait()

@@ -8,6 +8,7 @@ can fail.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +136,17 @@ def test_a_short_goodput_run_of_node_faults_on_the_replica_side(tmp_path: Path, 
     out = tmp_path / "goodput.json"
     argv = [
         "goodput", "--mtbf", "3s", "--faults", "2", "--kinds", "kill-node,term-node", "--sides", "replicas",
-        "--seed", "1", "--out", str(out), "--work-dir", str(tmp_path / "work"), f"data.cache_dir={cache_dir}",
+        "--seed", "1", "--pin", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+        f"data.cache_dir={cache_dir}",
     ]  # fmt: skip
     assert main(argv) == 0  # 0: every fault landed and the job was whole again after the last one
-    replicas = json.loads(out.read_text())["sides"]["replicas"]
+    result = json.loads(out.read_text())
+    replicas = result["sides"]["replicas"]
+    # --pin: the two groups' agents on two cores, each new agent on the core its lost one held.
+    pinned = [(row["pid"], row["core"]) for row in result["pinned"] if row["side"] == "replicas"]
+    cores = sorted(os.sched_getaffinity(0))
+    assert len({pid for pid, _ in pinned}) >= 4 and {core for _, core in pinned} <= set(cores[:2])
+    assert len(cores) < 2 or {core for _, core in pinned[:2]} == set(cores[:2])
     sane(replicas, 2)
     ledger = replicas["ledger"]
     assert ledger["ok"] and ledger["problems"] == [], ledger
