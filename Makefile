@@ -46,8 +46,10 @@ lint: $(VENV)/.dev
 
 # Three pytest processes (pytest-xdist) on a 2-core machine: most tests wait on real torchrun jobs,
 # rendezvous heartbeats, quorum and collective timeouts and chaos timers, which leave a core idle meanwhile.
-# Measured here, the same 1817 tests: 10:55 with three, 12:34 with two. TEST_WORKERS=0 runs them in this one
-# process. The benchmark runs and the loaded suite keep two (their own variables).
+# Measured here, the same 1817 tests: 10:55 with three, 12:34 with two; 1827 tests, 2026-12-06: 14:41 with
+# three (the order pytest collects them in and xdist's default chunks: the long tests put first and handed
+# out one at a time took 16:30, the two tests sharing a module's fixture then trained it twice, and the
+# long tests ran beside each other). TEST_WORKERS=0 runs them in this one process. The benchmark runs and the loaded suite keep two (their own variables).
 # The benchmark commands' end-to-end runs (marker `bench`) have a target of their own, run by CI after this.
 TEST_WORKERS ?= 3
 BENCH_WORKERS ?= 2

@@ -52,6 +52,7 @@ from elastic_qa.launcher.processes import (
     children,
     cmdline,
     end_process,
+    kill_trees,
     python_env,
     tied_to_this_process,
 )
@@ -219,16 +220,21 @@ class ReplicaSide:
         self.victims.add(pid)
 
     def stop(self) -> None:
-        """SIGTERM the launcher (it ends its groups and the Lighthouse), then SIGKILL any torchrun agent or
-        worker of this run that outlived it."""
+        """SIGTERM the launcher (it ends its groups and the Lighthouse), then SIGKILL any torchrun agent of
+        this run that outlived it with everything under it (a warm worker's command line is its forkserver's,
+        which names no run: it is found under its agent), and any cold worker of this run left."""
         if self.stopped_at is None:
             self.stopped_at = time.time()
         if self.job is not None:
             end_process(self.job, grace_s=60)
-        for row in [*self._of(Event.GROUP_STARTED), *self._of(Event.WORKER_START)]:
-            pid = row["pid"]
-            if alive(pid) and any(str(self.run_dir) in arg for arg in cmdline(pid)):
-                os.kill(pid, signal.SIGKILL)
+
+        def names_this_run(pid: int) -> bool:
+            return alive(pid) and any(str(self.run_dir) in arg for arg in cmdline(pid))
+
+        kill_trees([row["pid"] for row in self._of(Event.GROUP_STARTED) if names_this_run(row["pid"])])
+        for row in self._of(Event.WORKER_START):
+            if names_this_run(row["pid"]):
+                os.kill(row["pid"], signal.SIGKILL)
         self._read()
 
     def lost(self, steps: list[Step], faults: list[float]) -> list[int]:

@@ -36,8 +36,8 @@ from typing import Any
 from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
-from elastic_qa.launcher import ON_LOOPBACK
-from elastic_qa.launcher.local import LOOPBACK, free_port
+from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
+from elastic_qa.launcher.local import COLD_WORKERS_ENV, LOOPBACK, WARM_PRELOAD, free_port
 from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
@@ -86,6 +86,22 @@ class StandbyLighthouse:
         except OSError:
             return False
         return True
+
+
+def warm_modules(cfg: Config) -> list[str]:
+    """What each group's forkserver imports for its warm workers: torch and the trainer (as the default
+    mode's agents do, launcher/warm_start.py), the replica worker and torchft's manager, and transformers for
+    a pretrained encoder. A worker the group's torchrun starts again after a fault is then a fork that has
+    all of it, instead of a new interpreter paying its imports while the survivors wait to heal it. None
+    (each worker a new interpreter) with ELASTIC_QA_COLD_WORKERS=1."""
+    if os.environ.get(COLD_WORKERS_ENV, "") not in ("", "0"):
+        return []
+    return [
+        WARM_PRELOAD,
+        WORKER,
+        "torchft.manager",
+        *(["elastic_qa.models.hf"] if cfg.model.kind == "hf" else []),
+    ]
 
 
 class ReplicaJob:
@@ -192,13 +208,20 @@ class ReplicaJob:
         """torchrun for one group: its own rendezvous on loopback (one node); its workers' store and
         collectives on `local_addr` (loopback here; the address the other hosts reach, `node --replicas`)."""
         replica = self.cfg.replica
+        modules = warm_modules(self.cfg)
+        preload = [f"{PRELOAD_FLAG}{','.join(modules)}"] if modules else []
+        worker = (
+            ["--start-method=forkserver", "--run-path", str(LOOPBACK_FILE)]
+            if modules
+            else ["--module", ON_LOOPBACK]
+        )
         return [
-            sys.executable, "-m", ON_LOOPBACK, "torch.distributed.run",
+            sys.executable, "-m", ON_LOOPBACK, *preload, "torch.distributed.run",
             "--nnodes=1", f"--nproc_per_node={replica.nproc_per_group}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{free_port()}",
             f"--rdzv_id={self.job_id}", "--rdzv_conf=is_host=1",
             f"--max-restarts={self.max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}",
-            f"--local_addr={self.local_addr}", "--module", ON_LOOPBACK, WORKER,
+            f"--local_addr={self.local_addr}", *worker, WORKER,
             "--config", self.config, *self.overrides,
         ]  # fmt: skip
 
