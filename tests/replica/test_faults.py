@@ -290,10 +290,10 @@ def test_a_killed_lighthouse_quorum_ids_given_again_a_stalled_replica_and_a_kill
       SIGCONTed: it must not commit a step the quorum moved past, nor leave a checkpoint of its own lineage.
     - After step 45 group 1's worker is SIGKILLed; group 0 trains on alone (held after step 47 until group 1
       is back, if it is not back sooner) and is held while it serves the restarted group its state, then
-      SIGKILLed there. Neither
-      group holds a state any more: both restart with none, one restores the newest checkpoint in a new
-      lineage (not step 0), the other heals from it, and they finish; the receiver never trained on half a
-      state (the ledger), and the steps after that checkpoint are the discarded work.
+      SIGKILLed there. Neither group holds a state any more: both restart with none, one restores the
+      newest checkpoint in a new lineage (not step 0), the other heals from it, and they finish; the
+      receiver never trained on half a state (the ledger), and the steps after that checkpoint are the
+      discarded work.
     """
     run_dir, holds, steps = tmp_path / "run", tmp_path / "holds", 60
     arm(holds, [10, 20, 30, 45, 47], heals=[45])
