@@ -37,7 +37,8 @@ from elastic_qa.checkpoint.errors import CheckpointError
 from elastic_qa.config import Config, ConfigError, config_help, resolve_config
 from elastic_qa.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from elastic_qa.launcher import LOOPBACK_FILE, ON_LOOPBACK, PRELOAD_FLAG
-from elastic_qa.launcher.local import COLD_WORKERS_ENV, LOOPBACK, WARM_PRELOAD, free_port
+from elastic_qa.launcher.arguments import WORKER_MODULE
+from elastic_qa.launcher.local import LOOPBACK, free_port, warm_preload
 from elastic_qa.launcher.processes import end_process, python_env, tied_to_this_process
 from elastic_qa.launcher.rendezvous import MONITOR_INTERVAL_S
 from elastic_qa.liveness import this_process
@@ -89,19 +90,13 @@ class StandbyLighthouse:
 
 
 def warm_modules(cfg: Config) -> list[str]:
-    """What each group's forkserver imports for its warm workers: torch and the trainer (as the default
-    mode's agents do, launcher/warm_start.py), the replica worker and torchft's manager, and transformers for
-    a pretrained encoder. A worker the group's torchrun starts again after a fault is then a fork that has
-    all of it, instead of a new interpreter paying its imports while the survivors wait to heal it. None
-    (each worker a new interpreter) with ELASTIC_QA_COLD_WORKERS=1."""
-    if os.environ.get(COLD_WORKERS_ENV, "") not in ("", "0"):
-        return []
-    return [
-        WARM_PRELOAD,
-        WORKER,
-        "torchft.manager",
-        *(["elastic_qa.models.hf"] if cfg.model.kind == "hf" else []),
-    ]
+    """What each group's forkserver imports for its warm workers: what a default-mode agent's imports
+    (launcher/local.py `warm_preload`: torch, the trainer, transformers for a pretrained encoder), and the
+    replica worker and torchft's manager. A worker the group's torchrun starts again after a fault is then a
+    fork that has all of it, instead of a new interpreter paying its imports while the survivors wait to
+    heal it. None (each worker a new interpreter) with ELASTIC_QA_COLD_WORKERS=1, as in the default mode."""
+    default = warm_preload(cfg, WORKER_MODULE)
+    return [*default, WORKER, "torchft.manager"] if default else []
 
 
 class ReplicaJob:
